@@ -162,8 +162,9 @@ def test_warm_start_steps_count_only_updates_that_ran():
     c.on_bundle(bundle)
     c.result()
     k = c.counters.snapshot()
-    assert k["warm_start_groups"] == 2  # both were selected ...
-    assert k["warm_start_steps"] == steps  # ... only the finite group was updated
+    # Both groups were selected; only the finite one was updated, and only it is counted.
+    assert k["warm_start_groups"] == 1 and k["warm_start_rows"] == 4
+    assert k["warm_start_steps"] == steps
     assert k["nonfinite_losses_skipped"] == steps
 
 

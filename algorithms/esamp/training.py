@@ -205,7 +205,8 @@ class Trainer:
         self.read_deferred = read_deferred  # the device counters (True: wait for them)
         self.training = shared.cfg.train and shared.cfg.ablation != "frozen"
         self._pending: list[Submitted] = []
-        self._warm_pending: list[TrainResult] = []  # warm-start steps not yet read back
+        # Warm-start steps not yet read back; True marks a warm start's first step.
+        self._warm_pending: list[tuple[TrainResult, bool]] = []
         self._flushes = 0
 
     def on_bundle(self, bundle: Bundle) -> None:
@@ -261,10 +262,8 @@ class Trainer:
         submitted = self._submit(bundle, sel, slots, self.s.cfg.warm_start_steps)
         if not submitted:
             return
-        self._warm_pending += submitted
-        self.s.counters.add("warm_start_groups", len(set(slots)))
-        self.s.counters.add("warm_start_rows", len(sel))
-        self._after_submit()  # warm_start_steps: counted from the results, in flush
+        self._warm_pending += [(res, k == 0) for k, res in enumerate(submitted)]
+        self._after_submit()  # its counters: from the results, in flush
 
     def _last_rows(
         self, sel: list[int], slots: list[int], limit: int | None
@@ -326,11 +325,14 @@ class Trainer:
         self._flushes += 1
         if block or self._flushes % _READ_EVERY == 0:
             self.read_deferred(block)
-        done, self._warm_pending = split_final(self._warm_pending, block, lambda r: r)
-        for res in done:  # warm-start updates: counted once final
-            ok = res.updated.cpu().tolist()
-            s.counters.add("warm_start_steps", sum(ok))
-            s.counters.add("nonfinite_losses_skipped", len(ok) - sum(ok))
+        done, self._warm_pending = split_final(self._warm_pending, block, lambda p: p[0])
+        for res, first in done:  # warm-start updates: counted once final, those that ran
+            ok = res.updated.cpu().numpy().astype(bool)
+            s.counters.add("warm_start_steps", int(ok.sum()))
+            s.counters.add("nonfinite_losses_skipped", int((~ok).sum()))
+            if first:  # the groups (and their rows) that a warm start updated
+                s.counters.add("warm_start_groups", int(ok.sum()))
+                s.counters.add("warm_start_rows", int(np.asarray(res.counts)[ok].sum()))
         ready, self._pending = split_final(self._pending, block, lambda p: p[2])
         if ready:
             self.losses.add(ready)
