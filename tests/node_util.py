@@ -79,9 +79,9 @@ def exit_codes(procs: list[subprocess.Popen], timeout: float) -> list[int | None
             p.wait(30)
 
 
-def kill_group(proc: subprocess.Popen, but: str = "") -> list[int]:
-    """SIGKILL the process's whole session, except processes whose command line contains
-    ``but`` (when given); returns the pids killed."""
+def kill_group(proc: subprocess.Popen, but: str = "", sig: int = signal.SIGKILL) -> list[int]:
+    """SIGKILL (or ``sig``) the process's whole session, except processes whose command line
+    contains ``but`` (when given); returns the pids signalled."""
     import psutil
 
     killed = []
@@ -91,7 +91,7 @@ def kill_group(proc: subprocess.Popen, but: str = "") -> list[int]:
                 continue
             if but and but in " ".join(p.cmdline()):
                 continue
-            p.kill()
+            p.send_signal(sig)
             killed.append(p.pid)
         except (psutil.Error, OSError):
             continue

@@ -224,7 +224,7 @@ def test_the_worker_compares_its_own_settings():
 
 
 def test_a_requested_stop_silences_the_watches():
-    async def fails():
+    async def fails(bound):
         raise TimeoutError
 
     lost = []

@@ -115,13 +115,13 @@ def test_node_watch_reports_a_failed_check_once():
     calls, lost = [], []
     watch = nodes.NodeWatch()
 
-    async def ask():
-        calls.append(1)
+    async def ask(bound):
+        calls.append(bound)
         if len(calls) == 3:
             raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
 
     asyncio.run(watch.watch_nodes(ask, 2, 0.01, lost.append))
-    assert len(calls) == 3 and len(lost) == 1
+    assert calls == [nodes.NODE_CHECK_TIMEOUT_S] * 3 and len(lost) == 1  # the barrier's bound
     assert "2-node engine is gone" in lost[0] and "Connection closed by peer" in lost[0]
     assert watch.lost() == lost[0]
     assert nodes.NodeWatch().lost() is None  # each watch its own
@@ -135,19 +135,59 @@ def test_a_node_check_held_by_a_long_step_is_no_lost_node(monkeypatch):
     from tllm_core.vllm_bridge import nodes
 
     monkeypatch.setattr(nodes, "NODE_CHECK_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(nodes, "NODE_ANSWER_MARGIN_S", 0.01)
     calls, lost = [], []
 
-    async def slow():  # a step holds the check 0.2 s: within a 0.3 s callback deadline
-        calls.append(1)
+    async def slow(bound):  # a step holds the check 0.2 s: within a 0.3 s callback deadline
+        calls.append(bound)
         await asyncio.sleep(0.2)
         if len(calls) == 2:
             raise RuntimeError("peer gone")
 
     asyncio.run(nodes.NodeWatch().watch_nodes(slow, 2, 0.01, lost.append, step_s=0.3))
-    assert len(calls) == 2 and "peer gone" in lost[0]
+    assert calls == [pytest.approx(0.35)] * 2 and "peer gone" in lost[0]
     lost.clear()
     asyncio.run(nodes.NodeWatch().watch_nodes(slow, 2, 0.01, lost.append))
     assert "no answer" in lost[0]  # without the deadline: taken for a lost node
+
+
+BARRIER_RANK = """
+import sys, time
+from types import SimpleNamespace as NS
+import torch.distributed as dist
+import vllm.distributed.parallel_state as ps
+from tllm_core.vllm_bridge import nodes
+
+rank, path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+if rank == 1:  # a node that hangs: it never joins the check
+    time.sleep(60)
+ps.get_world_group = lambda: NS(cpu_group=dist.group.WORLD, rank=0, world_size=2)
+try:
+    nodes.node_check(1.0)
+except RuntimeError as e:
+    print(f"refused: {e}")
+"""
+
+
+def test_the_node_check_barrier_gives_up_on_a_peer_that_hangs(tmp_path):
+    """A worker must not stay in the barrier past its bound: held there, it could not close its
+    consumers when the engine stops (an export lost on a dead machine's peer)."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    argv = [sys.executable, "-c", BARRIER_RANK]
+    peer = subprocess.Popen([*argv, "1", str(store)], stdout=subprocess.DEVNULL)
+    try:
+        out = subprocess.run(
+            [*argv, "0", str(store)], capture_output=True, text=True, timeout=120
+        ).stdout
+    finally:
+        peer.kill()
+        peer.wait(30)
+    # Unbounded, it would wait out the peer (60 s) and the run's 120 s, or gloo's 30 minutes.
+    assert "refused: rank 0: no barrier with the other 1 ranks (bound 1 s): " in out, out
 
 
 def test_node_count_sees_tp_nodes_and_remote_dp_engines():
@@ -159,6 +199,9 @@ def test_node_count_sees_tp_nodes_and_remote_dp_engines():
     assert node_count(NS(nnodes=2, data_parallel_size=1, data_parallel_size_local=1)) == 2
     assert node_count(NS(nnodes=1, data_parallel_size=2, data_parallel_size_local=1)) == 2
     assert node_count(NS(nnodes=1, data_parallel_size=2, data_parallel_size_local=2)) == 1
+    # An API server with no engine of its own (--data-parallel-size-local 0) watches them too.
+    assert node_count(NS(nnodes=1, data_parallel_size=2, data_parallel_size_local=0)) == 2
+    assert node_count(NS(nnodes=1, data_parallel_size=1, data_parallel_size_local=0)) == 2
 
 
 def test_leader_watch_waits_for_a_leader_and_reports_one_that_went_away():
@@ -325,7 +368,12 @@ def _hf_greedy_agrees(model: str, token_ids: list[int], n_prompt: int) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow  # two node processes, TP = 2 across them: 2-4 min on 2 cores
-def test_tp2_across_two_nodes_serves_exports_and_stops_when_the_follower_dies(even_model, tmp_path):
+@pytest.mark.parametrize("lost", ["dies", "hangs"])
+def test_tp2_across_two_nodes_serves_exports_and_stops_when_the_follower_is_lost(
+    even_model, tmp_path, lost
+):
+    """The follower dies (its connections close) or hangs (SIGSTOP: they stay open, as a dead
+    machine's do); either way the leader stops naming the lost node, its export complete."""
     from reference import hf_states
 
     from consumers.export import open_export
@@ -335,7 +383,7 @@ def test_tp2_across_two_nodes_serves_exports_and_stops_when_the_follower_dies(ev
     out = tmp_path / "exp"
     export = json.dumps({"out": str(out), "layers": [0, "final"]})
     consumers = ["--consumer", "stats", "--consumer", "esamp", "--consumer", f"export:{export}"]
-    consumers += ["--per-request"]
+    consumers += ["--per-request", "--callback-deadline", "10"]  # the node check's bound: 40 s
     shm_before = shm_entries()
     leader, follower, url = _nodes(even_model, consumers, tmp_path)
     llog = tmp_path / "leader.log"
@@ -361,13 +409,17 @@ def test_tp2_across_two_nodes_serves_exports_and_stops_when_the_follower_dies(ev
         assert 0 < rep["consumers"]["esamp"]["rows_guided"] <= 7  # the guided request only
         leader_pids = {leader.pid, *descendants(leader.pid)}
 
-        # The follower node dies (everything but its resource tracker, which then unlinks
-        # its shared memory, as a dead machine leaves nothing on this one).
-        assert kill_group(follower, but="resource_tracker")
+        # The follower node dies or hangs (everything but its resource tracker, which unlinks
+        # its shared memory once the node is killed, as a dead machine leaves nothing here).
+        sig = signal.SIGKILL if lost == "dies" else signal.SIGSTOP
+        assert kill_group(follower, but="resource_tracker", sig=sig)
         code = exit_within(leader, 240)
         log = llog.read_text()
         assert code == 1, log[-4000:]
         assert "2-node engine is gone" in log or "engine failed" in log, log[-4000:]
+        if lost == "hangs":  # the leader's worker gave up the barrier (then closed its consumers)
+            assert "rank 0: no barrier with the other 1 ranks" in log, log[-4000:]
+            kill_group(follower, but="resource_tracker")
         assert descendants(leader.pid, settle=30) == []
     finally:
         for p in (leader, follower):

@@ -79,6 +79,7 @@ def test_serve_passes_the_dp_size_and_binds_one_core_group_per_rank():
 
 
 def test_counters_route_asks_every_engine_core():
+    from tllm_core.vllm_bridge import nodes
     from tllm_core.vllm_bridge.serving import rpc_all
 
     calls = []
@@ -99,6 +100,20 @@ def test_counters_route_asks_every_engine_core():
     out = asyncio.run(rpc_all(Client(), "tllm_collect"))
     assert out == [{"rank": 0}, {"rank": 1}]
     assert calls == [("collective_rpc", ("tllm_collect", None, (), None))]
+    # The node check bounds the engine cores' own wait for their workers (a hung node's
+    # ranks never answer: unbounded, the core could not stop, nor its workers close).
+    calls.clear()
+    asyncio.run(nodes.ask_node_check(rpc_all, Client(), 40.0))
+    assert calls == [("collective_rpc", ("tllm_node_check", 45.0, (40.0,), None))]
+    one = []
+
+    class OneEngine:
+        async def collective_rpc(self, method, timeout=None, args=()):
+            one.append((method, timeout, args))
+            return [0]
+
+    asyncio.run(nodes.ask_node_check(rpc_all, OneEngine(), 40.0))
+    assert one == [("tllm_node_check", 45.0, (40.0,))]
 
 
 def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):

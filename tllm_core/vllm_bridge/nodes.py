@@ -123,16 +123,36 @@ NODE_CHECK_ENV = "TLLM_NODE_CHECK_S"
 NODE_CHECK_INTERVAL_S = 5.0
 # An answer slower than this (a peer that hangs rather than dies) counts as a lost node.
 NODE_CHECK_TIMEOUT_S = 30.0
+# Past the workers' barrier bound, the engine core gives up its wait for their answers (a
+# hung node's ranks never answer), then the server: so that when the engine stops, neither
+# its core nor a worker is held in the check, and the workers close their consumers.
+NODE_RPC_MARGIN_S, NODE_ANSWER_MARGIN_S = 5.0, 10.0
 
 
-def node_check() -> int:
-    """On a worker: a barrier over every rank (fails when a peer is gone); its rank."""
+def node_check(timeout_s: float) -> int:
+    """On a worker: a barrier over every rank, bounded by ``timeout_s`` (it fails when a peer
+    is gone, and a dead machine's peer may never answer); its rank."""
+    from datetime import timedelta
+
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_world_group
 
     group = get_world_group()
-    dist.barrier(group=group.cpu_group)
+    try:
+        dist.barrier(group=group.cpu_group, async_op=True).wait(timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"rank {group.rank}: no barrier with the other {group.world_size - 1} ranks "
+            f"(bound {timeout_s:g} s): {e}"
+        ) from None
     return int(group.rank)
+
+
+async def ask_node_check(rpc_all: Callable[..., Any], engine_client: Any, bound: float) -> Any:
+    """The node check on every rank of every engine (``serving.rpc_all``), the barrier bounded
+    by ``bound`` s and the engine core's wait for the answers a little longer."""
+    wait = bound + NODE_RPC_MARGIN_S
+    return await rpc_all(engine_client, "tllm_node_check", bound, timeout=wait)  # bounded: wait
 
 
 def check_interval() -> float:
@@ -151,12 +171,13 @@ def stop_self(what: str) -> Any:
 
 
 def node_count(parallel: Any) -> int:
-    """Nodes an engine spans as its API server sees it (TP ``nnodes``, or remote DP engines)."""
+    """Nodes an engine spans as its API server sees it (TP ``nnodes``, or remote DP engines;
+    with none local, ``--data-parallel-size-local 0``, at least this node and one other)."""
     nnodes = int(getattr(parallel, "nnodes", 1) or 1)
-    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
-    dp_local = getattr(parallel, "data_parallel_size_local", None)
-    if dp_local is not None and 0 < int(dp_local) < dp:
-        nnodes = max(nnodes, -(-dp // int(dp_local)))
+    if remote_engines(parallel):
+        dp_local = int(parallel.data_parallel_size_local)
+        dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+        nnodes = max(nnodes, -(-dp // dp_local) if dp_local else 2)
     return nnodes
 
 
@@ -248,13 +269,15 @@ class NodeWatch:
     async def watch_nodes(
         self, ask: Any, nnodes: int, interval: float, on_lost: Any, step_s: float = 0.0
     ) -> None:
-        """Every ``interval`` s ``await ask()``; the first failure or timeout calls ``on_lost``.
-        ``step_s``: how long a step may hold the check (it waits behind the engine's steps: a
-        consumer callback within its deadline is no lost node)."""
+        """Every ``interval`` s ``await ask(bound)``, ``bound`` the workers' barrier bound in s;
+        the first failure or timeout calls ``on_lost``. ``step_s``: how long a step may hold
+        the check (it waits behind the engine's steps: a consumer callback within its deadline
+        is no lost node)."""
+        bound = NODE_CHECK_TIMEOUT_S + step_s
         while True:
             await asyncio.sleep(interval)
             try:
-                await asyncio.wait_for(ask(), timeout=NODE_CHECK_TIMEOUT_S + step_s)
+                await asyncio.wait_for(ask(bound), timeout=bound + NODE_ANSWER_MARGIN_S)
             except Exception as e:  # noqa: BLE001 - any failure of the check means a lost node
                 why = "no answer" if isinstance(e, asyncio.TimeoutError) else type(e).__name__
                 reason = (

@@ -182,15 +182,19 @@ class XargsCheck:
             await self.app(scope, replay, send)
 
 
-async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
-    """``collective_rpc`` on every worker of every engine core (the client's: the first only)."""
+async def rpc_all(
+    engine_client: Any, method: str, *args: Any, timeout: float | None = None
+) -> list[Any]:
+    """``collective_rpc`` on every worker of every engine core (the client's: the first only).
+    ``timeout``: the engine core's own wait for its workers' answers (None: vLLM's, unbounded)."""
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
     if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
         # bounded: every caller bounds rpc_all (ask, answered, wait_for)
-        per_engine = await call_all("collective_rpc", method, None, args, None)
+        per_engine = await call_all("collective_rpc", method, timeout, args, None)
         return [r for rs in per_engine for r in rs]
-    return list(await engine_client.collective_rpc(method, args=args))  # bounded: as above
+    bound = {} if timeout is None else {"timeout": timeout}
+    return list(await engine_client.collective_rpc(method, args=args, **bound))  # bounded: as above
 
 
 async def answered(timeout: float, engine_client: Any, method: str, *args: Any) -> list[Any]:
@@ -567,7 +571,7 @@ async def init_state(
     nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
     interval = nodes.check_interval()
     if nnodes > 1 and interval != 0:
-        ask = functools.partial(rpc_all, engine_client, "tllm_node_check")
+        ask = functools.partial(nodes.ask_node_check, rpc_all, engine_client)
         lost = nodes.stop_self("the server")
         watching = watch.watch_nodes(ask, nnodes, interval, lost, mine.callback_deadline_s)
         state.tllm_node_watch = asyncio.get_running_loop().create_task(watching)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tllm_core.vllm_bridge.engine_settings import tllm_settings
-from tllm_core.vllm_bridge.nodes import NodeWatch, join_leader, node_check
+from tllm_core.vllm_bridge.nodes import NODE_CHECK_TIMEOUT_S, NodeWatch, join_leader, node_check
 
 
 def _with_hooks(default: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -98,9 +98,9 @@ class TllmWorkerExtension:
     def tllm_close(self, hooks: Any) -> dict[str, Any] | None:
         return {**hooks.close(), "rank": hooks.rank.as_dict()}
 
-    def tllm_node_check(self) -> int:
+    def tllm_node_check(self, timeout_s: float = NODE_CHECK_TIMEOUT_S) -> int:
         """A barrier over every rank of a multi-node engine (``nodes.NodeWatch.watch_nodes``)."""
-        return node_check()
+        return node_check(float(timeout_s))
 
     def tllm_join_leader(self, settings: dict | None, endpoint: Any) -> dict[str, Any]:
         """The leader's settings and address, sent by its API server (``nodes.join_leader``)."""
