@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from tllm_core import ConsumerConfig, FiniteF32
 
 # Far past any useful tilt; below it (1+beta) x a logit stays finite in fp32 (a request's
-# beta near fp32's max made its row's logits NaN).
+# beta near fp32's max would make its row's logits NaN).
 MAX_BETA = 1000.0
 
 

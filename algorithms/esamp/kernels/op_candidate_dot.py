@@ -57,7 +57,7 @@ def check_candidate_dot(weight, f, rows, tokens, out) -> None:
         raise ValueError(f"{n} pairs index an empty table: weight {_shape(weight)}, f {_shape(f)}")
 
 
-# Pairs gathered at once: bounds the fallback's temporaries to chunk x H (as guidance did).
+# Pairs gathered at once: bounds the fallback's temporaries to chunk x H.
 CANDIDATE_CHUNK = 4096
 
 
