@@ -79,7 +79,7 @@ def test_serve_passes_the_dp_size_and_binds_one_core_group_per_rank():
 
 
 def test_counters_route_asks_every_engine_core():
-    from tllm_core.vllm_bridge import nodes
+    from tllm_core.vllm_bridge import nodes, serving
     from tllm_core.vllm_bridge.serving import rpc_all
 
     calls = []
@@ -114,6 +114,17 @@ def test_counters_route_asks_every_engine_core():
 
     asyncio.run(nodes.ask_node_check(rpc_all, OneEngine(), 40.0))
     assert one == [("tllm_node_check", 45.0, (40.0,))]
+    # So does every tllm call to a multi-node engine (init_state sets the bound): the
+    # server's counters reads would otherwise hold the core when a node hangs.
+    engine = OneEngine()
+    setattr(engine, serving.RPC_BOUND_ATTR, 45.0)
+    asyncio.run(rpc_all(engine, "tllm_collect"))
+    assert one[-1] == ("tllm_collect", 45.0, ())
+    calls.clear()
+    client = Client()
+    setattr(client, serving.RPC_BOUND_ATTR, 45.0)
+    asyncio.run(rpc_all(client, "tllm_collect"))
+    assert calls == [("collective_rpc", ("tllm_collect", 45.0, (), None))]
 
 
 def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):

@@ -148,6 +148,11 @@ def node_check(timeout_s: float) -> int:
     return int(group.rank)
 
 
+def check_bound(step_s: float) -> float:
+    """Seconds the workers' barrier waits (``step_s``: how long a step may hold the check)."""
+    return NODE_CHECK_TIMEOUT_S + step_s
+
+
 async def ask_node_check(rpc_all: Callable[..., Any], engine_client: Any, bound: float) -> Any:
     """The node check on every rank of every engine (``serving.rpc_all``), the barrier bounded
     by ``bound`` s and the engine core's wait for the answers a little longer."""
@@ -273,7 +278,7 @@ class NodeWatch:
         the first failure or timeout calls ``on_lost``. ``step_s``: how long a step may hold
         the check (it waits behind the engine's steps: a consumer callback within its deadline
         is no lost node)."""
-        bound = NODE_CHECK_TIMEOUT_S + step_s
+        bound = check_bound(step_s)
         while True:
             await asyncio.sleep(interval)
             try:

@@ -182,11 +182,20 @@ class XargsCheck:
             await self.app(scope, replay, send)
 
 
+# On a multi-node engine's client (init_state): the engine core's wait for its workers' answers
+# to every tllm call. A hung node's ranks never answer; a core left waiting for them runs no
+# step and cannot stop, so its workers are killed before they close their consumers.
+RPC_BOUND_ATTR = "_tllm_rpc_bound_s"
+
+
 async def rpc_all(
     engine_client: Any, method: str, *args: Any, timeout: float | None = None
 ) -> list[Any]:
     """``collective_rpc`` on every worker of every engine core (the client's: the first only).
-    ``timeout``: the engine core's own wait for its workers' answers (None: vLLM's, unbounded)."""
+    ``timeout``: the engine core's own wait for its workers' answers (None: the engine's
+    :data:`RPC_BOUND_ATTR` if set, else vLLM's, unbounded)."""
+    if timeout is None:
+        timeout = getattr(engine_client, RPC_BOUND_ATTR, None)
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
     if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
@@ -555,6 +564,13 @@ async def init_state(
         max_result_bytes=mine.max_result_bytes,
         hidden_size=int(engine_client.vllm_config.model_config.get_hidden_size()),
     )
+    # A multi-node leader checks every engine and rank; a lost node stops this server.
+    nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
+    interval = nodes.check_interval()
+    watching_nodes = nnodes > 1 and interval != 0
+    if watching_nodes:
+        bound = nodes.check_bound(mine.callback_deadline_s)
+        setattr(engine_client, RPC_BOUND_ATTR, bound + nodes.NODE_RPC_MARGIN_S)
     ask_engine = functools.partial(answered, mine.server.engine_answer_s)
     install_abort_marks(engine_client, lambda method, ids: ask_engine(engine_client, method, ids))
     install_group_affinity(engine_client)
@@ -567,10 +583,7 @@ async def init_state(
             f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "
             f"installed in the model runner (worker status: {status})"
         )
-    # A multi-node leader checks every engine and rank; a lost node stops this server.
-    nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
-    interval = nodes.check_interval()
-    if nnodes > 1 and interval != 0:
+    if watching_nodes:
         ask = functools.partial(nodes.ask_node_check, rpc_all, engine_client)
         lost = nodes.stop_self("the server")
         watching = watch.watch_nodes(ask, nnodes, interval, lost, mine.callback_deadline_s)
