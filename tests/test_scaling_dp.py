@@ -103,7 +103,8 @@ def test_counters_route_asks_every_engine_core():
     # The node check bounds the engine cores' own wait for their workers (a hung node's
     # ranks never answer: unbounded, the core could not stop, nor its workers close).
     calls.clear()
-    asyncio.run(nodes.ask_node_check(rpc_all, Client(), 40.0))
+    with pytest.raises(RuntimeError, match="2 rank"):  # answers of another call: out of step
+        asyncio.run(nodes.ask_node_check(rpc_all, Client(), 40.0))
     assert calls == [("collective_rpc", ("tllm_node_check", 45.0, (40.0,), None))]
     one = []
 
@@ -116,15 +117,34 @@ def test_counters_route_asks_every_engine_core():
     assert one == [("tllm_node_check", 45.0, (40.0,))]
     # So does every tllm call to a multi-node engine (init_state sets the bound): the
     # server's counters reads would otherwise hold the core when a node hangs.
+    lost = []
     engine = OneEngine()
-    setattr(engine, serving.RPC_BOUND_ATTR, 45.0)
+    setattr(engine, serving.RPC_BOUND_ATTR, serving.RpcBound(45.0, lost.append))
     asyncio.run(rpc_all(engine, "tllm_collect"))
     assert one[-1] == ("tllm_collect", 45.0, ())
     calls.clear()
     client = Client()
-    setattr(client, serving.RPC_BOUND_ATTR, 45.0)
+    setattr(client, serving.RPC_BOUND_ATTR, serving.RpcBound(45.0, lost.append))
     asyncio.run(rpc_all(client, "tllm_collect"))
-    assert calls == [("collective_rpc", ("tllm_collect", 45.0, (), None))]
+    assert calls == [("collective_rpc", ("tllm_collect", 45.0, (), None))] and lost == []
+
+    # Past the bound the engine answers an error; a late answer would be taken as the next
+    # call's, so a timed-out call is a lost node (other errors are not).
+    class Late:
+        def __init__(self, error):
+            self.error = error
+
+        async def collective_rpc(self, method, timeout=None, args=()):
+            raise Exception(self.error)  # as vLLM's client raises a failed utility call
+
+    for error, stops in (("Call failed: RPC call to tllm_collect timed out.", True),
+                         ("Call failed: a consumer raised", False)):  # fmt: skip
+        late = Late(error)
+        setattr(late, serving.RPC_BOUND_ATTR, serving.RpcBound(45.0, lost.append))
+        with pytest.raises(Exception, match=error[:11]):
+            asyncio.run(rpc_all(late, "tllm_collect"))
+        assert lost == (["a rank did not answer 'tllm_collect' within 45 s"] if stops else [])
+        lost.clear()
 
 
 def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):

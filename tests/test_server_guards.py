@@ -917,6 +917,64 @@ def test_server_start_waits_for_the_engine_a_bounded_time_naming_the_call(engine
         asyncio.run(asyncio.wait_for(start(), 60))  # 60 s: the test's own bound
 
 
+@pytest.mark.parametrize(
+    ("nnodes", "dp_local", "check_s", "bound"),
+    [(1, 2, "5", None), (2, 2, "5", 30.0 + 7.0 + 5.0), (2, 2, "0", None), (1, 1, "5", None)],
+)
+def test_tllm_calls_to_an_engine_across_nodes_are_bounded_in_the_engine(
+    engine, monkeypatch, nnodes, dp_local, check_s, bound
+):
+    """TP/PP across nodes, node check on: every tllm call carries the engine core's own bound
+    (the check's barrier bound + 5 s), so a hung node's rank cannot hold the core; a one-node
+    engine, one whose node check is off, or data-parallel engines on other nodes (each core
+    on its own node: hung with it) keep vLLM's unbounded wait."""
+    from types import SimpleNamespace
+
+    from tllm_core.vllm_bridge import nodes, serving
+    from tllm_core.vllm_bridge.request_marks import EngineNoAnswer
+
+    monkeypatch.setenv(nodes.NODE_CHECK_ENV, check_s)
+    timeouts = []
+
+    class Client:
+        vllm_config = SimpleNamespace(
+            additional_config={
+                "tllm": {"callback_deadline_s": 7.0, "server": {"engine_answer_s": 0.2}}
+            },
+            model_config=SimpleNamespace(get_hidden_size=lambda: 8),
+            parallel_config=SimpleNamespace(
+                data_parallel_size=2, data_parallel_size_local=dp_local, nnodes=nnodes
+            ),
+        )
+        input_processor = SimpleNamespace(assign_request_id=lambda request: None)
+        abort = None
+
+        class engine_core:  # a data-parallel client: two engine cores
+            abort_requests_async = None
+            core_engines = [b"e0", b"e1"]
+
+            def get_core_engine_for_request(self, request):
+                return b"e0"
+
+            async def call_utility_all_async(self, method, rpc, timeout, args, kwargs):
+                timeouts.append(timeout)
+                await asyncio.Event().wait()  # bounded: the start's timeout cancels it
+
+        engine_core = engine_core()
+
+    async def start():
+        state = SimpleNamespace()
+        try:
+            await serving.init_state(Client(), state, engine, nodes.NodeWatch())
+        finally:
+            state.tllm_http_close.cancel()
+
+    # The first call: tllm_join_leader to engines on other nodes, else tllm_status.
+    with pytest.raises(EngineNoAnswer, match="tllm_join_leader" if dp_local < 2 else "tllm_status"):
+        asyncio.run(asyncio.wait_for(start(), 60))  # 60 s: the test's own bound
+    assert timeouts == [bound]
+
+
 @pytest.fixture(scope="module")
 def steer_engine() -> EngineConsumers:
     return EngineConsumers.from_settings(

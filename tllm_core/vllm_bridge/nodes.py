@@ -155,9 +155,14 @@ def check_bound(step_s: float) -> float:
 
 async def ask_node_check(rpc_all: Callable[..., Any], engine_client: Any, bound: float) -> Any:
     """The node check on every rank of every engine (``serving.rpc_all``), the barrier bounded
-    by ``bound`` s and the engine core's wait for the answers a little longer."""
+    by ``bound`` s and the engine core's wait for the answers a little longer. Each answer is
+    its rank; any other is a late answer to an earlier call, a rank out of step."""
     wait = bound + NODE_RPC_MARGIN_S
-    return await rpc_all(engine_client, "tllm_node_check", bound, timeout=wait)  # bounded: wait
+    answers = await rpc_all(engine_client, "tllm_node_check", bound, timeout=wait)  # bounded: wait
+    late = [a for a in answers if type(a) is not int]
+    if late:
+        raise RuntimeError(f"{len(late)} rank(s) answered an earlier call late: {late!r:.200}")
+    return answers
 
 
 def check_interval() -> float:
@@ -266,8 +271,9 @@ class NodeWatch:
         told = None if self.note is None else self.note.read() or None
         return None if told == STOP_REQUESTED else told
 
-    def _report(self, reason: str, on_lost: Any) -> None:
-        if not self.stopping:
+    def report(self, reason: str, on_lost: Any) -> None:
+        """A lost node: ``on_lost(reason)`` once (not during a requested stop)."""
+        if not self.stopping and not self._lost:
             self._lost.append(reason)
             on_lost(reason)
 
@@ -289,7 +295,7 @@ class NodeWatch:
                     f"a node of this {nnodes}-node engine is gone or hangs (the node check got "
                     f"{why}: {str(e)[:300]})"
                 )
-                self._report(reason, on_lost)
+                self.report(reason, on_lost)
                 return
 
     def watch_leader(
@@ -336,7 +342,7 @@ class NodeWatch:
                         f"the leader of this multi-node engine ({host}:{port}) is gone: "
                         f"{misses} connection attempts {interval:g} s apart were refused"
                     )
-                    self._report(reason, on_lost)
+                    self.report(reason, on_lost)
                     return
 
         self.leader_watch = threading.Thread(target=run, daemon=True, name="tllm-leader-watch")

@@ -11,8 +11,9 @@ import json
 import logging
 import secrets
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -182,10 +183,18 @@ class XargsCheck:
             await self.app(scope, replay, send)
 
 
-# On a multi-node engine's client (init_state): the engine core's wait for its workers' answers
-# to every tllm call. A hung node's ranks never answer; a core left waiting for them runs no
-# step and cannot stop, so its workers are killed before they close their consumers.
-RPC_BOUND_ATTR = "_tllm_rpc_bound_s"
+class RpcBound(NamedTuple):
+    """On a multi-node engine's client (``init_state``): the engine core's wait for its workers'
+    answers to every tllm call, in s. A hung node's ranks never answer; a core left waiting
+    for them runs no step and cannot stop, so its workers are killed before they close their
+    consumers. Past it, ``on_timeout(reason)`` stops the server: a late answer would be
+    taken as the next call's."""
+
+    seconds: float
+    on_timeout: Callable[[str], None]
+
+
+RPC_BOUND_ATTR = "_tllm_rpc_bound"
 
 
 async def rpc_all(
@@ -193,17 +202,24 @@ async def rpc_all(
 ) -> list[Any]:
     """``collective_rpc`` on every worker of every engine core (the client's: the first only).
     ``timeout``: the engine core's own wait for its workers' answers (None: the engine's
-    :data:`RPC_BOUND_ATTR` if set, else vLLM's, unbounded)."""
-    if timeout is None:
-        timeout = getattr(engine_client, RPC_BOUND_ATTR, None)
+    :class:`RpcBound` if set, else vLLM's, unbounded)."""
+    bound = getattr(engine_client, RPC_BOUND_ATTR, None)
+    if timeout is None and bound is not None:
+        timeout = bound.seconds
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
-    if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
-        # bounded: every caller bounds rpc_all (ask, answered, wait_for)
-        per_engine = await call_all("collective_rpc", method, timeout, args, None)
-        return [r for rs in per_engine for r in rs]
-    bound = {} if timeout is None else {"timeout": timeout}
-    return list(await engine_client.collective_rpc(method, args=args, **bound))  # bounded: as above
+    try:
+        if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
+            # bounded: every caller bounds rpc_all (ask, answered, wait_for)
+            per_engine = await call_all("collective_rpc", method, timeout, args, None)
+            return [r for rs in per_engine for r in rs]
+        kw = {} if timeout is None else {"timeout": timeout}
+        # bounded: as above
+        return list(await engine_client.collective_rpc(method, args=args, **kw))
+    except Exception as e:
+        if bound is not None and f"RPC call to {method} timed out" in str(e):
+            bound.on_timeout(f"a rank did not answer {method!r} within {timeout:g} s")
+        raise
 
 
 async def answered(timeout: float, engine_client: Any, method: str, *args: Any) -> list[Any]:
@@ -568,9 +584,19 @@ async def init_state(
     nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
     interval = nodes.check_interval()
     watching_nodes = nnodes > 1 and interval != 0
-    if watching_nodes:
-        bound = nodes.check_bound(mine.callback_deadline_s)
-        setattr(engine_client, RPC_BOUND_ATTR, bound + nodes.NODE_RPC_MARGIN_S)
+    lost = nodes.stop_self("the server")
+    # Ranks across nodes (TP, PP) answer through one engine core; a remote DP engine's core
+    # is on its own node, and hangs with it: a bound on its wait would buy nothing.
+    if (
+        watching_nodes
+        and int(getattr(engine_client.vllm_config.parallel_config, "nnodes", 1) or 1) > 1
+    ):
+        seconds = nodes.check_bound(mine.callback_deadline_s) + nodes.NODE_RPC_MARGIN_S
+
+        def on_timeout(why: str) -> None:
+            watch.report(f"a node of this {nnodes}-node engine is gone or hangs ({why})", lost)
+
+        setattr(engine_client, RPC_BOUND_ATTR, RpcBound(seconds, on_timeout))
     ask_engine = functools.partial(answered, mine.server.engine_answer_s)
     install_abort_marks(engine_client, lambda method, ids: ask_engine(engine_client, method, ids))
     install_group_affinity(engine_client)
@@ -585,7 +611,6 @@ async def init_state(
         )
     if watching_nodes:
         ask = functools.partial(nodes.ask_node_check, rpc_all, engine_client)
-        lost = nodes.stop_self("the server")
         watching = watch.watch_nodes(ask, nnodes, interval, lost, mine.callback_deadline_s)
         state.tllm_node_watch = asyncio.get_running_loop().create_task(watching)
     log.info(
