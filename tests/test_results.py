@@ -461,7 +461,8 @@ def test_tllm_serve_requests_ended_by_a_stop_string_are_not_cut_short(guarded_se
     _disconnect_while_running(url, [5, 6, 7], 400, body["vllm_xargs"], key=key)
     deadline = time.monotonic() + 60
     while cut_short() == before or runtime().get("results_discarded", 0) == discarded:
-        assert time.monotonic() < deadline, "not cut short, or its results were kept"
+        seen = (cut_short(), runtime())  # which of the two did not happen, if this fails
+        assert time.monotonic() < deadline, f"not cut short ({before}), or results kept: {seen}"
         time.sleep(0.2)
     assert runtime().get("results_discarded", 0) == discarded + 1
 
