@@ -493,23 +493,31 @@ def test_follower_with_other_consumers_is_refused_naming_both_sides(even_model, 
     assert descendants(leader.pid, settle=30) == descendants(follower.pid, settle=30) == []
 
 
-def _dp_nodes(model, consumers, tmp_path, follower_consumers=None):
+def _dp_nodes(model, consumers, tmp_path, follower_consumers=None, api_only=False):
     """Data parallel across two nodes: the leader (DP rank 0, its API server, core 0) and a
-    headless follower (DP rank 1, core 1), each with one engine; the follower checks its
-    leader every 2 s."""
+    headless follower (DP rank 1, core 1), each with one engine (``api_only``: the leader runs
+    the API server alone, ``--data-parallel-size-local 0``, the follower both engines); the
+    follower checks its leader every 2 s."""
     port, rpc = free_port(), free_port()
     common = ["--model", model, "--data-parallel-size", "2", *ENGINE]
 
-    def node(rank, cons, log, *extra):
-        vllm = ["--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1"]
+    def node(rank, local, cons, log, *extra, cores):
+        vllm = ["--data-parallel-size-local", str(local), "--data-parallel-address", "127.0.0.1"]
         vllm += ["--data-parallel-rpc-port", str(rpc), "--enforce-eager"]
-        if rank:
+        if extra:
             vllm += ["--data-parallel-start-rank", str(rank)]
         argv = ["serve", "-v", "--port", str(port), *common, *cons, *extra, "--", *vllm]
-        return start(argv, log, VLLM_CPU_OMP_THREADS_BIND=str(rank), TLLM_NODE_CHECK_S="2")
+        return start(argv, log, VLLM_CPU_OMP_THREADS_BIND=cores, TLLM_NODE_CHECK_S="2")
 
-    leader = node(0, consumers, tmp_path / "leader.log")
-    follower = node(1, follower_consumers or consumers, tmp_path / "follower.log", "--headless")
+    leader = node(0, 1 - api_only, consumers, tmp_path / "leader.log", cores="0")
+    follower = node(
+        0 if api_only else 1,
+        2 if api_only else 1,
+        follower_consumers or consumers,
+        tmp_path / "follower.log",
+        "--headless",
+        cores="0|1" if api_only else "1",
+    )
     return leader, follower, f"http://127.0.0.1:{port}"
 
 
@@ -616,12 +624,18 @@ def test_dp2_across_two_nodes_serves_exports_and_the_follower_stops_with_its_lea
 
 @pytest.mark.vllm
 @pytest.mark.slow  # two DP engines on two node processes: 3-5 min on 2 cores
-def test_dp2_across_two_nodes_stops_the_leader_when_the_follower_dies(tiny_model, tmp_path):
+@pytest.mark.parametrize("api_only", [False, True], ids=["engine-on-each-node", "api-server-alone"])
+def test_dp2_across_two_nodes_stops_the_leader_when_the_follower_dies(
+    tiny_model, tmp_path, api_only
+):
+    """Also for an API server with no engine of its own (``--data-parallel-size-local 0``),
+    whose engines all run on the follower."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("two node processes need 2 CPU cores (one engine each)")
     llog = tmp_path / "leader.log"
     shm_before = shm_entries()
-    leader, follower, url = _dp_nodes(tiny_model, ["--consumer", "stats"], tmp_path)
+    consumers = ["--consumer", "stats"]
+    leader, follower, url = _dp_nodes(tiny_model, consumers, tmp_path, api_only=api_only)
     try:
         wait_for(llog, "tllm: ready", leader, 600)
         body = {"model": "default", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
