@@ -165,6 +165,11 @@ async def ask_node_check(rpc_all: Callable[..., Any], engine_client: Any, bound:
     return answers
 
 
+def node_lost(nnodes: int, why: str) -> str:
+    """The reason a lost node stops the server, with what showed it."""
+    return f"a node of this {nnodes}-node engine is gone or hangs ({why})"
+
+
 def check_interval() -> float:
     """Seconds between two node checks (``TLLM_NODE_CHECK_S``; 0 switches them off)."""
     return env_seconds(NODE_CHECK_ENV, NODE_CHECK_INTERVAL_S, zero="off")
@@ -291,11 +296,7 @@ class NodeWatch:
                 await asyncio.wait_for(ask(bound), timeout=bound + NODE_ANSWER_MARGIN_S)
             except Exception as e:  # noqa: BLE001 - any failure of the check means a lost node
                 why = "no answer" if isinstance(e, asyncio.TimeoutError) else type(e).__name__
-                reason = (
-                    f"a node of this {nnodes}-node engine is gone or hangs (the node check got "
-                    f"{why}: {str(e)[:300]})"
-                )
-                self.report(reason, on_lost)
+                self.report(node_lost(nnodes, f"the node check got {why}: {str(e)[:300]}"), on_lost)
                 return
 
     def watch_leader(

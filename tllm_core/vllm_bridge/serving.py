@@ -581,20 +581,19 @@ async def init_state(
         hidden_size=int(engine_client.vllm_config.model_config.get_hidden_size()),
     )
     # A multi-node leader checks every engine and rank; a lost node stops this server.
-    nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
+    parallel = engine_client.vllm_config.parallel_config
+    nnodes = nodes.node_count(parallel)
     interval = nodes.check_interval()
     watching_nodes = nnodes > 1 and interval != 0
     lost = nodes.stop_self("the server")
     # Ranks across nodes (TP, PP) answer through one engine core; a remote DP engine's core
     # is on its own node, and hangs with it: a bound on its wait would buy nothing.
-    if (
-        watching_nodes
-        and int(getattr(engine_client.vllm_config.parallel_config, "nnodes", 1) or 1) > 1
-    ):
+    ranks_across_nodes = int(getattr(parallel, "nnodes", 1) or 1) > 1
+    if watching_nodes and ranks_across_nodes:
         seconds = nodes.check_bound(mine.callback_deadline_s) + nodes.NODE_RPC_MARGIN_S
 
         def on_timeout(why: str) -> None:
-            watch.report(f"a node of this {nnodes}-node engine is gone or hangs ({why})", lost)
+            watch.report(nodes.node_lost(nnodes, why), lost)
 
         setattr(engine_client, RPC_BOUND_ATTR, RpcBound(seconds, on_timeout))
     ask_engine = functools.partial(answered, mine.server.engine_answer_s)
