@@ -420,11 +420,10 @@ def test_tllm_serve_requests_ended_by_a_stop_string_are_not_cut_short(guarded_se
     """vLLM's output handler aborts in the engine core the requests its detokenizer ended on a
     stop string: they ran to their end (finish_reason "stop"), so consumers do not hear them
     as cut short, and their results come back. A client gone mid-generation is cut short."""
-    import time
 
     import openai
     from serve_util import get_json
-    from test_serve_state import _disconnect_while_running
+    from test_serve_state import _leave_while_running
 
     import tllm_core
 
@@ -457,40 +456,54 @@ def test_tllm_serve_requests_ended_by_a_stop_string_are_not_cut_short(guarded_se
 
     # A client gone mid-generation: its request is cut short, and its results, which nobody
     # will take, leave the store as it ends.
-    discarded = runtime().get("results_discarded", 0)
-    _disconnect_while_running(url, [5, 6, 7], 400, body["vllm_xargs"], key=key)
-    deadline = time.monotonic() + 60
-    while cut_short() == before or runtime().get("results_discarded", 0) == discarded:
-        seen = (cut_short(), runtime())  # which of the two did not happen, if this fails
-        assert time.monotonic() < deadline, f"not cut short ({before}), or results kept: {seen}"
-        time.sleep(0.2)
-    assert runtime().get("results_discarded", 0) == discarded + 1
+    discarded: list[int] = []
+
+    def watch():
+        counted = runtime()
+        made, discarded[:] = counted.get("results_made", 0), [counted.get("results_discarded", 0)]
+        cut = cut_short()
+
+        def heard() -> bool | None:
+            counted = runtime()
+            if counted.get("results_made", 0) > made:  # made: it ran to its end
+                return False
+            if cut_short() > cut and counted.get("results_discarded", 0) > discarded[0]:
+                return True
+            return None
+
+        return heard
+
+    _leave_while_running(url, [5, 6, 7], 400, body["vllm_xargs"], key=key, watch=watch)
+    assert runtime().get("results_discarded", 0) == discarded[0] + 1
 
 
 def test_tllm_serve_aborts_a_stream_whose_client_went_away(guarded_server):
     """A streamed completion's client gone: anyio cancels the handler at every await, also
     while tllm marks the request cut short; the engine still gets the abort, so the request
     does not run on to max_tokens (measured by the rows export captured for it)."""
-    import time
 
     from serve_util import get_json
-    from test_serve_state import _disconnect_while_running
+    from test_serve_state import _leave_while_running
 
     url, key = guarded_server.url, guarded_server.key
 
     def sampled() -> int:
         return get_json(f"{url}/tllm/counters", key)["runtime"].get("rows_captured.sampled", 0)
 
-    before = sampled()
+    def watch():
+        before = sampled()
+
+        def heard() -> bool | None:
+            if get_json(f"{url}/tllm/status", key)["worker"]["requests_open"]:
+                return None
+            # Fewer than max_tokens: it was aborted (without the abort all 480 rows came); how
+            # many before the abort landed depends on the machine's speed.
+            return sampled() - before < 480
+
+        return heard
+
     xargs = {"tllm_consumers": "export"}
-    _disconnect_while_running(url, [5, 6, 7], 480, xargs, key=key, stream=True)
-    deadline = time.monotonic() + 120
-    while get_json(f"{url}/tllm/status", key)["worker"]["requests_open"]:
-        assert time.monotonic() < deadline, "the request never ended"
-        time.sleep(0.1)
-    # Fewer than max_tokens: it was aborted (without the abort all 480 rows came); how many
-    # before the abort landed depends on the machine's speed.
-    assert sampled() - before < 480, (before, sampled())
+    _leave_while_running(url, [5, 6, 7], 480, xargs, key=key, stream=True, watch=watch)
 
 
 def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):

@@ -233,7 +233,7 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
         only_stats = {"tllm_consumers": "stats", "tllm_results": "stats"}
         assert complete(url, PLAIN, only_stats, max_tokens=1) == 200
         # a client gone mid-generation: vLLM aborts its request, the export hears it cut short
-        _disconnect_while_running(url, CUT, 500, {"tllm_consumers": ON})
+        assert _disconnect_while_running(url, CUT, 500, {"tllm_consumers": ON}), "it ended first"
         deadline = time.monotonic() + 60
         while (
             get_json(f"{url}/tllm/counters")["consumers"]["export"].get("requests_cut_short", 0) < 1
