@@ -147,6 +147,46 @@ def test_counters_route_asks_every_engine_core():
         lost.clear()
 
 
+def test_calls_to_an_engine_across_nodes_go_one_at_a_time_and_none_after_a_lost_node():
+    """A call queued in the engine core behind one that waits for a hung node would hold the
+    core as long again (past vLLM's stop: the workers are killed before their consumers
+    close), so tllm's calls to an engine whose ranks span nodes go one at a time, and none is
+    sent once one timed out."""
+    from tllm_core.vllm_bridge import serving
+    from tllm_core.vllm_bridge.errors import EngineNoAnswer
+
+    sent, in_flight, most = [], [0], [0]
+
+    class Engine:
+        async def collective_rpc(self, method, timeout=None, args=()):
+            sent.append((method, timeout))
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            await asyncio.sleep(0.01)
+            in_flight[0] -= 1
+            if method == "tllm_node_check":
+                raise Exception(f"Call failed: RPC call to {method} timed out.")
+            return [0]
+
+    lost = []
+    engine = Engine()
+    setattr(engine, serving.RPC_BOUND_ATTR, serving.RpcBound(45.0, lost.append))
+
+    async def calls():
+        names = ("tllm_collect", "tllm_status", "tllm_node_check", "tllm_collect")
+        return await asyncio.gather(
+            *(serving.rpc_all(engine, m) for m in names), return_exceptions=True
+        )
+
+    got = asyncio.run(calls())
+    assert most[0] == 1
+    assert sent == [("tllm_collect", 45.0), ("tllm_status", 45.0), ("tllm_node_check", 45.0)]
+    assert got[:2] == [[0], [0]] and "timed out" in str(got[2])
+    why = "a rank did not answer 'tllm_node_check' within 45 s"
+    assert lost == [why]
+    assert isinstance(got[3], EngineNoAnswer) and str(got[3]) == f"'tllm_collect' not sent: {why}"
+
+
 def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):
     """vLLM balances each request and each of its n children alone; tllm's server sends a
     group (a request's samples, a client's ``tllm_group``) to the engine its first went to

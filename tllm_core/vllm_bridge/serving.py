@@ -13,7 +13,7 @@ import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any, NamedTuple
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -183,15 +183,20 @@ class XargsCheck:
             await self.app(scope, replay, send)
 
 
-class RpcBound(NamedTuple):
+class RpcBound:
     """On a multi-node engine's client (``init_state``): the engine core's wait for its workers'
     answers to every tllm call, in s. A hung node's ranks never answer; a core left waiting
     for them runs no step and cannot stop, so its workers are killed before they close their
-    consumers. Past it, ``on_timeout(reason)`` stops the server: a late answer would be
+    consumers. The calls go one at a time: each queued in the core behind a call waiting for
+    a hung node would hold it as long again, past vLLM's stop. Past the bound,
+    ``on_timeout(reason)`` stops the server and no later call is sent: a late answer would be
     taken as the next call's."""
 
-    seconds: float
-    on_timeout: Callable[[str], None]
+    def __init__(self, seconds: float, on_timeout: Callable[[str], None]) -> None:
+        self.seconds = seconds
+        self.on_timeout = on_timeout
+        self.lost: str | None = None  # why the engine stopped answering
+        self.one_at_a_time = asyncio.Lock()
 
 
 RPC_BOUND_ATTR = "_tllm_rpc_bound"
@@ -204,22 +209,33 @@ async def rpc_all(
     ``timeout``: the engine core's own wait for its workers' answers (None: the engine's
     :class:`RpcBound` if set, else vLLM's, unbounded)."""
     bound = getattr(engine_client, RPC_BOUND_ATTR, None)
-    if timeout is None and bound is not None:
-        timeout = bound.seconds
+    if bound is None:
+        return await _rpc_all(engine_client, method, args, timeout)
+    async with bound.one_at_a_time:  # bounded: the call holding it is (its timeout)
+        if bound.lost is not None:
+            raise EngineNoAnswer(f"{method!r} not sent: {bound.lost}")
+        timeout = bound.seconds if timeout is None else timeout
+        try:
+            return await _rpc_all(engine_client, method, args, timeout)
+        except Exception as e:
+            if f"RPC call to {method} timed out" in str(e):
+                bound.lost = f"a rank did not answer {method!r} within {timeout:g} s"
+                bound.on_timeout(bound.lost)
+            raise
+
+
+async def _rpc_all(
+    engine_client: Any, method: str, args: tuple[Any, ...], timeout: float | None
+) -> list[Any]:
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
-    try:
-        if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
-            # bounded: every caller bounds rpc_all (ask, answered, wait_for)
-            per_engine = await call_all("collective_rpc", method, timeout, args, None)
-            return [r for rs in per_engine for r in rs]
-        kw = {} if timeout is None else {"timeout": timeout}
-        # bounded: as above
-        return list(await engine_client.collective_rpc(method, args=args, **kw))
-    except Exception as e:
-        if bound is not None and f"RPC call to {method} timed out" in str(e):
-            bound.on_timeout(f"a rank did not answer {method!r} within {timeout:g} s")
-        raise
+    if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
+        # bounded: every caller bounds rpc_all (ask, answered, wait_for)
+        per_engine = await call_all("collective_rpc", method, timeout, args, None)
+        return [r for rs in per_engine for r in rs]
+    kw = {} if timeout is None else {"timeout": timeout}
+    # bounded: as above
+    return list(await engine_client.collective_rpc(method, args=args, **kw))
 
 
 async def answered(timeout: float, engine_client: Any, method: str, *args: Any) -> list[Any]:
