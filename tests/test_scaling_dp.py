@@ -151,19 +151,22 @@ def test_calls_to_an_engine_across_nodes_go_one_at_a_time_and_none_after_a_lost_
     """A call queued in the engine core behind one that waits for a hung node would hold the
     core as long again (past vLLM's stop: the workers are killed before their consumers
     close), so tllm's calls to an engine whose ranks span nodes go one at a time, and none is
-    sent once one timed out."""
+    sent once one timed out. A response's read of its results (one per response) still goes
+    at once: in turn, each would wait for an engine step."""
     from tllm_core.vllm_bridge import serving
     from tllm_core.vllm_bridge.errors import EngineNoAnswer
 
-    sent, in_flight, most = [], [0], [0]
+    sent, in_flight, most = [], [], [0, 0]  # most: calls at once, calls in turn at once
 
     class Engine:
         async def collective_rpc(self, method, timeout=None, args=()):
             sent.append((method, timeout))
-            in_flight[0] += 1
-            most[0] = max(most[0], in_flight[0])
+            in_flight.append(method)
+            most[0] = max(most[0], len(in_flight))
+            in_turn = [m for m in in_flight if m not in serving.CONCURRENT]
+            most[1] = max(most[1], len(in_turn))
             await asyncio.sleep(0.01)
-            in_flight[0] -= 1
+            in_flight.remove(method)
             if method == "tllm_node_check":
                 raise Exception(f"Call failed: RPC call to {method} timed out.")
             return [0]
@@ -172,19 +175,22 @@ def test_calls_to_an_engine_across_nodes_go_one_at_a_time_and_none_after_a_lost_
     engine = Engine()
     setattr(engine, serving.RPC_BOUND_ATTR, serving.RpcBound(45.0, lost.append))
 
-    async def calls():
-        names = ("tllm_collect", "tllm_status", "tllm_node_check", "tllm_collect")
+    async def calls(*names):
         return await asyncio.gather(
             *(serving.rpc_all(engine, m) for m in names), return_exceptions=True
         )
 
-    got = asyncio.run(calls())
-    assert most[0] == 1
-    assert sent == [("tllm_collect", 45.0), ("tllm_status", 45.0), ("tllm_node_check", 45.0)]
-    assert got[:2] == [[0], [0]] and "timed out" in str(got[2])
+    take = "tllm_take_results"
+    got = asyncio.run(calls("tllm_collect", take, "tllm_status", "tllm_node_check", "tllm_collect"))
+    assert most == [2, 1]
+    assert [m for m, _ in sent] == ["tllm_collect", take, "tllm_status", "tllm_node_check"]
+    assert {t for _, t in sent} == {45.0}
+    assert got[:3] == [[0], [0], [0]] and "timed out" in str(got[3])
     why = "a rank did not answer 'tllm_node_check' within 45 s"
     assert lost == [why]
-    assert isinstance(got[3], EngineNoAnswer) and str(got[3]) == f"'tllm_collect' not sent: {why}"
+    assert isinstance(got[4], EngineNoAnswer) and str(got[4]) == f"'tllm_collect' not sent: {why}"
+    (late,) = asyncio.run(calls(take))
+    assert isinstance(late, EngineNoAnswer) and len(sent) == 4
 
 
 def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):

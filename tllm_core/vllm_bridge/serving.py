@@ -6,6 +6,7 @@ cache salts, ``/tllm`` routes, ``/health`` while hung, results and failure marks
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -187,10 +188,10 @@ class RpcBound:
     """On a multi-node engine's client (``init_state``): the engine core's wait for its workers'
     answers to every tllm call, in s. A hung node's ranks never answer; a core left waiting
     for them runs no step and cannot stop, so its workers are killed before they close their
-    consumers. The calls go one at a time: each queued in the core behind a call waiting for
-    a hung node would hold it as long again, past vLLM's stop. Past the bound,
-    ``on_timeout(reason)`` stops the server and no later call is sent: a late answer would be
-    taken as the next call's."""
+    consumers. The calls go one at a time (but ``CONCURRENT``): each queued in the core behind
+    a call waiting for a hung node would hold it as long again, past vLLM's stop. Past the
+    bound, ``on_timeout(reason)`` stops the server and no later call is sent: a late answer
+    would be taken as the next call's."""
 
     def __init__(self, seconds: float, on_timeout: Callable[[str], None]) -> None:
         self.seconds = seconds
@@ -200,6 +201,9 @@ class RpcBound:
 
 
 RPC_BOUND_ATTR = "_tllm_rpc_bound"
+# One call per response asking for results: one at a time, each would wait for a step of the
+# engine. The others are one at a time already (node checks, throttled reads, batched marks).
+CONCURRENT = frozenset({"tllm_take_results"})
 
 
 async def rpc_all(
@@ -211,14 +215,15 @@ async def rpc_all(
     bound = getattr(engine_client, RPC_BOUND_ATTR, None)
     if bound is None:
         return await _rpc_all(engine_client, method, args, timeout)
-    async with bound.one_at_a_time:  # bounded: the call holding it is (its timeout)
+    turn = contextlib.nullcontext() if method in CONCURRENT else bound.one_at_a_time
+    async with turn:  # bounded: the call holding it is (its timeout)
         if bound.lost is not None:
             raise EngineNoAnswer(f"{method!r} not sent: {bound.lost}")
         timeout = bound.seconds if timeout is None else timeout
         try:
             return await _rpc_all(engine_client, method, args, timeout)
         except Exception as e:
-            if f"RPC call to {method} timed out" in str(e):
+            if f"RPC call to {method} timed out" in str(e) and bound.lost is None:
                 bound.lost = f"a rank did not answer {method!r} within {timeout:g} s"
                 bound.on_timeout(bound.lost)
             raise
