@@ -191,6 +191,19 @@ def test_calls_to_an_engine_across_nodes_go_one_at_a_time_and_none_after_a_lost_
     assert isinstance(got[4], EngineNoAnswer) and str(got[4]) == f"'tllm_collect' not sent: {why}"
     (late,) = asyncio.run(calls(take))
     assert isinstance(late, EngineNoAnswer) and len(sent) == 4
+    # A check that fails otherwise (the worker's barrier gave up: vLLM raises at the first
+    # failed answer, not waiting for the hung rank) is a lost node too; the node watch tells.
+    failed = Exception("Call to collective_rpc method failed: rank 0: no barrier")
+    engine.collective_rpc = lambda *a, **k: sent.append(a) or _raise(failed)
+    setattr(engine, serving.RPC_BOUND_ATTR, serving.RpcBound(45.0, lost.append))
+    got = asyncio.run(calls("tllm_node_check", "tllm_collect"))
+    assert got[0] is failed and isinstance(got[1], EngineNoAnswer) and len(sent) == 5
+    assert "not sent: the node check failed (Call to collective_rpc" in str(got[1])
+    assert lost == [why]
+
+
+async def _raise(e: Exception) -> None:
+    raise e
 
 
 def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):

@@ -319,9 +319,10 @@ def test_groups_are_scoped_to_a_client(engine):
     assert CLIENT.get() == "anon"  # reset after the request
 
 
-def _app(engine, api_key, settings=None, errors=None, hung=False):
+def _app(engine, api_key, settings=None, errors=None, hung=False, fails=None):
     """A FastAPI app with tllm's routes and middlewares as the plugin attaches them, and a
-    fake engine client whose report shows server paths (``hung``: it never answers one)."""
+    fake engine client whose report shows server paths (``hung``: it never answers one;
+    ``fails``: it raises that for every call)."""
     from types import SimpleNamespace
 
     from fastapi import FastAPI
@@ -336,6 +337,8 @@ def _app(engine, api_key, settings=None, errors=None, hung=False):
         failure_reads = 0
 
         async def collective_rpc(self, method, args=()):
+            if fails is not None:
+                raise fails
             if method == "tllm_status":
                 return [{"installed": True, "rank": {"leader": True}}]
             if method == "tllm_failed_requests":  # requests named "bad*" met a failing esamp
@@ -409,6 +412,18 @@ def test_an_engine_that_never_answers_gets_504_naming_the_call(engine):
     got = client.get("/tllm/counters")
     assert got.status_code == 504
     assert got.json()["error"] == "the engine did not answer 'tllm_collect' in 0.5 s"
+
+
+def test_an_engine_that_fails_a_call_gets_503_naming_its_error_not_a_500(engine):
+    """A rank's error, or a call timed out on a lost node: each /tllm route answers JSON
+    naming it (paths hidden), as for any other engine failure, not a 500 with a traceback."""
+    failed = Exception("Call failed: RPC call to tllm_collect timed out. (/srv/secret/x.py)")
+    client = _app(engine, None, fails=failed)
+    for path in ("/tllm/counters", "/tllm/status"):
+        got = client.get(path)
+        assert got.status_code == 503, (path, got.text)
+        message = "the engine failed this call: Call failed: RPC call to tllm_collect timed out."
+        assert got.json()["error"] == f"{message} (<hidden>)", got.text
 
 
 def test_a_refused_prompt_has_the_results_of_the_prompts_admitted_before_dropped(engine):

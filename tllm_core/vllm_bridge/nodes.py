@@ -120,6 +120,7 @@ def _keys_within(store: Any, keys: list[str], timeout: float) -> bool:
 # -- a lost node: an engine notices one only at its next collective (a dead remote DP engine
 # hangs every request), so the leader's API server runs :func:`node_check` every few seconds.
 NODE_CHECK_ENV = "TLLM_NODE_CHECK_S"
+NODE_CHECK = "tllm_node_check"  # the workers' method (worker_ext)
 NODE_CHECK_INTERVAL_S = 5.0
 # An answer slower than this (a peer that hangs rather than dies) counts as a lost node.
 NODE_CHECK_TIMEOUT_S = 30.0
@@ -158,7 +159,7 @@ async def ask_node_check(rpc_all: Callable[..., Any], engine_client: Any, bound:
     by ``bound`` s and the engine core's wait for the answers a little longer. Each answer is
     its rank; any other is a late answer to an earlier call, a rank out of step."""
     wait = bound + NODE_RPC_MARGIN_S
-    answers = await rpc_all(engine_client, "tllm_node_check", bound, timeout=wait)  # bounded: wait
+    answers = await rpc_all(engine_client, NODE_CHECK, bound, timeout=wait)  # bounded: wait
     late = [a for a in answers if type(a) is not int]
     if late:
         raise RuntimeError(f"{len(late)} rank(s) answered an earlier call late: {late!r:.200}")

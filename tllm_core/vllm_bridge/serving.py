@@ -226,6 +226,8 @@ async def rpc_all(
             if f"RPC call to {method} timed out" in str(e) and bound.lost is None:
                 bound.lost = f"a rank did not answer {method!r} within {timeout:g} s"
                 bound.on_timeout(bound.lost)
+            elif method == nodes.NODE_CHECK:  # a lost node, which the node watch tells
+                bound.lost = bound.lost or f"the node check failed ({str(e):.200})"
             raise
 
 
@@ -353,7 +355,8 @@ def attach_routes(
         return body if settings.show_paths else hide_paths(body)
 
     async def guarded(answer: Any, unanswered: str = "") -> Any:
-        """``await answer()``; 503 with no engine or at the server's stop; 504 + ``unanswered``."""
+        """``await answer()``; 503 with no engine, at the server's stop or when the engine's
+        answer is an error (a rank's, a lost node's: JSON, not a 500); 504 + ``unanswered``."""
         if getattr(app.state, "tllm_engine_client", None) is None:
             return _error("tllm is not initialised in this server", 503)
         try:
@@ -362,6 +365,9 @@ def attach_routes(
             return _error("the server is stopping", 503)
         except EngineNoAnswer as e:
             return _error(f"{e}{unanswered}", 504)
+        except Exception as e:  # noqa: BLE001 - the engine failed the call: told, the server serves on
+            log.warning("tllm: the engine failed a /tllm call: %s", e)
+            return _error(shown(f"the engine failed this call: {e}"), 503)
 
     async def _read_counters() -> Any:
         report = merge_reports(await ask("tllm_collect"))
@@ -606,17 +612,25 @@ async def init_state(
     nnodes = nodes.node_count(parallel)
     interval = nodes.check_interval()
     watching_nodes = nnodes > 1 and interval != 0
-    lost = nodes.stop_self("the server")
+    stop = nodes.stop_self("the server")
     # Ranks across nodes (TP, PP) answer through one engine core; a remote DP engine's core
     # is on its own node, and hangs with it: a bound on its wait would buy nothing.
     ranks_across_nodes = int(getattr(parallel, "nnodes", 1) or 1) > 1
+    bound: RpcBound | None = None
+
+    def lost(reason: str) -> None:  # once the server stops, no more calls to the engine
+        if bound is not None:
+            bound.lost = bound.lost or reason
+        stop(reason)
+
     if watching_nodes and ranks_across_nodes:
         seconds = nodes.check_bound(mine.callback_deadline_s) + nodes.NODE_RPC_MARGIN_S
 
         def on_timeout(why: str) -> None:
             watch.report(nodes.node_lost(nnodes, why), lost)
 
-        setattr(engine_client, RPC_BOUND_ATTR, RpcBound(seconds, on_timeout))
+        bound = RpcBound(seconds, on_timeout)
+        setattr(engine_client, RPC_BOUND_ATTR, bound)
     ask_engine = functools.partial(answered, mine.server.engine_answer_s)
     install_abort_marks(engine_client, lambda method, ids: ask_engine(engine_client, method, ids))
     install_group_affinity(engine_client)
