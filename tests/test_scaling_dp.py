@@ -154,7 +154,7 @@ def test_calls_to_an_engine_across_nodes_go_one_at_a_time_and_none_after_a_lost_
     sent once one timed out. A response's read of its results (one per response) still goes
     at once: in turn, each would wait for an engine step."""
     from tllm_core.vllm_bridge import serving
-    from tllm_core.vllm_bridge.errors import EngineNoAnswer
+    from tllm_core.vllm_bridge.errors import EngineCallFailed, EngineLost, EngineNoAnswer
 
     sent, in_flight, most = [], [], [0, 0]  # most: calls at once, calls in turn at once
 
@@ -197,9 +197,35 @@ def test_calls_to_an_engine_across_nodes_go_one_at_a_time_and_none_after_a_lost_
     engine.collective_rpc = lambda *a, **k: sent.append(a) or _raise(failed)
     setattr(engine, serving.RPC_BOUND_ATTR, serving.RpcBound(45.0, lost.append))
     got = asyncio.run(calls("tllm_node_check", "tllm_collect"))
-    assert got[0] is failed and isinstance(got[1], EngineNoAnswer) and len(sent) == 5
+    assert isinstance(got[0], EngineCallFailed) and got[0].__cause__ is failed
+    assert isinstance(got[1], EngineLost) and len(sent) == 5
     assert "not sent: the node check failed (Call to collective_rpc" in str(got[1])
     assert lost == [why]
+    # A caller that stops waiting leaves its call in the core: the next goes once it ended.
+    ends = []
+
+    class Slow:
+        async def collective_rpc(self, method, timeout=None, args=()):
+            ends.append(f"{method} sent")
+            await asyncio.sleep(0.2)
+            ends.append(f"{method} ended")
+            return [0]
+
+    slow = Slow()
+    setattr(slow, serving.RPC_BOUND_ATTR, serving.RpcBound(45.0, lost.append))
+
+    async def impatient():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(serving.rpc_all(slow, "tllm_collect"), 0.05)
+        return await serving.rpc_all(slow, "tllm_status")
+
+    assert asyncio.run(impatient()) == [0]
+    assert ends == [
+        "tllm_collect sent",
+        "tllm_collect ended",
+        "tllm_status sent",
+        "tllm_status ended",
+    ]
 
 
 async def _raise(e: Exception) -> None:

@@ -6,7 +6,6 @@ cache salts, ``/tllm`` routes, ``/health`` while hung, results and failure marks
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -42,6 +41,7 @@ from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge import nodes
 from tllm_core.vllm_bridge.engine_settings import tllm_settings
+from tllm_core.vllm_bridge.errors import EngineCallFailed, EngineLost
 from tllm_core.vllm_bridge.request_marks import (
     ASKED,
     HELD,
@@ -209,26 +209,37 @@ CONCURRENT = frozenset({"tllm_take_results"})
 async def rpc_all(
     engine_client: Any, method: str, *args: Any, timeout: float | None = None
 ) -> list[Any]:
-    """``collective_rpc`` on every worker of every engine core (the client's: the first only).
-    ``timeout``: the engine core's own wait for its workers' answers (None: the engine's
-    :class:`RpcBound` if set, else vLLM's, unbounded)."""
+    """``collective_rpc`` on every worker of every engine core (the client's: the first only);
+    an error answer raises :class:`EngineCallFailed`. ``timeout``: the engine core's own wait
+    for its workers' answers (None: the engine's :class:`RpcBound` if set, else vLLM's,
+    unbounded)."""
     bound = getattr(engine_client, RPC_BOUND_ATTR, None)
     if bound is None:
         return await _rpc_all(engine_client, method, args, timeout)
-    turn = contextlib.nullcontext() if method in CONCURRENT else bound.one_at_a_time
-    async with turn:  # bounded: the call holding it is (its timeout)
-        if bound.lost is not None:
-            raise EngineNoAnswer(f"{method!r} not sent: {bound.lost}")
-        timeout = bound.seconds if timeout is None else timeout
-        try:
-            return await _rpc_all(engine_client, method, args, timeout)
-        except Exception as e:
-            if f"RPC call to {method} timed out" in str(e) and bound.lost is None:
-                bound.lost = f"a rank did not answer {method!r} within {timeout:g} s"
-                bound.on_timeout(bound.lost)
-            elif method == nodes.NODE_CHECK:  # a lost node, which the node watch tells
-                bound.lost = bound.lost or f"the node check failed ({str(e):.200})"
-            raise
+    turn = None if method in CONCURRENT else bound.one_at_a_time
+    if turn is not None:
+        await turn.acquire()  # bounded: each holder's call is (the engine core's timeout)
+    if bound.lost is not None:
+        if turn is not None:
+            turn.release()
+        raise EngineLost(f"{method!r} not sent: {bound.lost}")
+    timeout = bound.seconds if timeout is None else timeout
+    call = asyncio.ensure_future(_rpc_all(engine_client, method, args, timeout))
+
+    def ended(call: asyncio.Future) -> None:  # also when its caller gave up waiting
+        if turn is not None:  # the core is done with it: the next call may go
+            turn.release()
+        e = None if call.cancelled() else call.exception()
+        if e is None:
+            return
+        if f"RPC call to {method} timed out" in str(e) and bound.lost is None:
+            bound.lost = f"a rank did not answer {method!r} within {timeout:g} s"
+            bound.on_timeout(bound.lost)
+        elif method == nodes.NODE_CHECK:  # a lost node, which the node watch tells
+            bound.lost = bound.lost or f"the node check failed ({str(e):.200})"
+
+    call.add_done_callback(ended)
+    return await asyncio.shield(call)  # bounded: the engine core's timeout
 
 
 async def _rpc_all(
@@ -237,12 +248,18 @@ async def _rpc_all(
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
     if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
-        # bounded: every caller bounds rpc_all (ask, answered, wait_for)
-        per_engine = await call_all("collective_rpc", method, timeout, args, None)
+        try:
+            # bounded: every caller bounds rpc_all (ask, answered, wait_for)
+            per_engine = await call_all("collective_rpc", method, timeout, args, None)
+        except Exception as e:  # as below
+            raise EngineCallFailed(str(e)) from e
         return [r for rs in per_engine for r in rs]
     kw = {} if timeout is None else {"timeout": timeout}
-    # bounded: as above
-    return list(await engine_client.collective_rpc(method, args=args, **kw))
+    try:
+        # bounded: as above
+        return list(await engine_client.collective_rpc(method, args=args, **kw))
+    except Exception as e:  # vLLM raises the failed call's text as a plain Exception
+        raise EngineCallFailed(str(e)) from e
 
 
 async def answered(timeout: float, engine_client: Any, method: str, *args: Any) -> list[Any]:
@@ -363,9 +380,11 @@ def attach_routes(
             return await answer()
         except ServerStopping:
             return _error("the server is stopping", 503)
+        except EngineLost as e:
+            return _error(str(e), 503)
         except EngineNoAnswer as e:
             return _error(f"{e}{unanswered}", 504)
-        except Exception as e:  # noqa: BLE001 - the engine failed the call: told, the server serves on
+        except EngineCallFailed as e:  # told, and the server serves on
             log.warning("tllm: the engine failed a /tllm call: %s", e)
             return _error(shown(f"the engine failed this call: {e}"), 503)
 
