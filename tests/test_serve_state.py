@@ -110,8 +110,9 @@ def _leave_while_running(
     """:func:`_disconnect_while_running` until the engine hears the client leave. ``watch()``,
     called before each try, returns that try's check: True once the leaving was heard, False
     once the request ran to its end, None while not known. On a starved machine a client may
-    learn that its request runs only after it ended (the status read's answer queues behind
-    the request's outputs in vLLM's front end), so such a try is made again."""
+    learn that its request runs only after it ended (vLLM's front end, busy with the
+    request's queued outputs, sends the status read's answer late), so such a try is made
+    again."""
     ends = []
     for _ in range(tries):
         heard = watch()
