@@ -420,7 +420,6 @@ def test_tllm_serve_requests_ended_by_a_stop_string_are_not_cut_short(guarded_se
     """vLLM's output handler aborts in the engine core the requests its detokenizer ended on a
     stop string: they ran to their end (finish_reason "stop"), so consumers do not hear them
     as cut short, and their results come back. A client gone mid-generation is cut short."""
-
     import openai
     from serve_util import get_json
     from test_serve_state import _leave_while_running
@@ -481,7 +480,6 @@ def test_tllm_serve_aborts_a_stream_whose_client_went_away(guarded_server):
     """A streamed completion's client gone: anyio cancels the handler at every await, also
     while tllm marks the request cut short; the engine still gets the abort, so the request
     does not run on to max_tokens (measured by the rows export captured for it)."""
-
     from serve_util import get_json
     from test_serve_state import _leave_while_running
 

@@ -247,15 +247,12 @@ async def _rpc_all(
 ) -> list[Any]:
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
-    if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
-        try:
+    try:
+        if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
             # bounded: every caller bounds rpc_all (ask, answered, wait_for)
             per_engine = await call_all("collective_rpc", method, timeout, args, None)
-        except Exception as e:  # as below
-            raise EngineCallFailed(str(e)) from e
-        return [r for rs in per_engine for r in rs]
-    kw = {} if timeout is None else {"timeout": timeout}
-    try:
+            return [r for rs in per_engine for r in rs]
+        kw = {} if timeout is None else {"timeout": timeout}
         # bounded: as above
         return list(await engine_client.collective_rpc(method, args=args, **kw))
     except Exception as e:  # vLLM raises the failed call's text as a plain Exception
