@@ -81,27 +81,21 @@ def _gather(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
     return t.index_select(0, index_to(idx, t.device))
 
 
-def unwritten(
-    step: StepCapture, taps: set[str], device: torch.device, buffers: StepIndices | None = None
-) -> torch.Tensor | None:
-    """A 0-dim bool on the device (no host read): True when this step's forward did not stamp
-    every tap in ``taps`` (None: none has a stamp)."""
-    flag = None if buffers is None else buffers.pool.take((2,), torch.bool, device)
-    ok = step.written(taps, flag)
-    if ok is None:
-        return None
-    return ~ok if flag is None else ok.logical_not_()
-
-
 def read_unconfirmed(
     r: PortRead, step: StepCapture, buffers: StepIndices | None
 ) -> tuple[torch.Tensor, set[str], torch.Tensor | None]:
-    """The port's tensor read before the stamps arrive, its taps, and (floating point only)
-    :func:`unwritten`'s flag."""
+    """The port's tensor read before the stamps arrive, its taps, and (floating point only) a
+    0-dim bool on the device (no host read): True when this step's forward did not stamp every
+    tap (None: none has a stamp)."""
     with step.unconfirmed() as taps:
         t = r.producer.read(r.port, step)
-    stale = unwritten(step, taps, t.device, buffers) if t.is_floating_point() else None
-    return t, taps, stale
+    if not t.is_floating_point():
+        return t, taps, None
+    flag = None if buffers is None else buffers.pool.take((2,), torch.bool, t.device)
+    ok = step.written(taps, flag)
+    if ok is None:
+        return t, taps, None
+    return t, taps, ~ok if flag is None else ok.logical_not_()
 
 
 @dataclass(frozen=True)
@@ -172,7 +166,7 @@ def build_bundle(
     bundle = Bundle(step=step.step, rows=rows.take(np.zeros(0, np.int64), rows.token_ids[:0]))
 
     def read(r: PortRead) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The port's tensor and :func:`unwritten`'s flag (None: known to be written)."""
+        """The port's tensor and its stale flag (None: known to be written)."""
         if unconfirmed is not None and not step.confirmed:
             t, taps, stale = read_unconfirmed(r, step, buffers)
             if t.is_floating_point():

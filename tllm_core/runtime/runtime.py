@@ -381,8 +381,7 @@ class Runtime:
             if held or last is not None:
                 last = np.zeros(len(rows), np.bool_) if last is None else last
                 last[stop - 1] = held
-        if out is None:
-            return RowMasks(enabled, enabled), last
+        out = enabled if out is None else out
         narrows = type(s.consumer).request_window_rows
         token = out if "token" in narrows else enabled
         sample = out if "sample" in narrows else enabled
