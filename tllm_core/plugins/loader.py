@@ -55,11 +55,17 @@ def warn(broken: BrokenPlugin) -> None:
     warnings.warn(broken.message(), TllmPluginWarning, stacklevel=2)
 
 
+def _new_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager("tllm")
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
 @dataclass
 class Plugins:
     """A plugin manager with the ``tllm`` hook specs, and the plugins found broken in it."""
 
-    pm: pluggy.PluginManager = field(default_factory=lambda: _new_manager())
+    pm: pluggy.PluginManager = field(default_factory=_new_manager)
     broken: list[BrokenPlugin] = field(default_factory=list)
     on_broken: Callable[[BrokenPlugin], None] = warn
     # entry-point name -> distribution, for messages about failures after loading
@@ -139,9 +145,3 @@ def _tllm_entry_points() -> list[tuple[bool, str, list[importlib.metadata.EntryP
             own = re.sub(r"[-_.]+", "-", name).lower() == OWN_DISTRIBUTION
             found.append((own, name, eps))
     return sorted(found, key=lambda f: not f[0])
-
-
-def _new_manager() -> pluggy.PluginManager:
-    pm = pluggy.PluginManager("tllm")
-    pm.add_hookspecs(hookspecs)
-    return pm

@@ -101,10 +101,10 @@ class Registry:
             for key, fname in request_keys(cls.name, req).items():
                 owner = taken.get(key)
                 if key in GENERIC_KEYS or (owner is not None and owner[0] != cls.name):
-                    taken = f"consumer {owner[0]!r}" if owner else "tllm itself"
+                    by = f"consumer {owner[0]!r}" if owner else "tllm itself"
                     raise ValueError(
                         f"consumer {cls.name!r}: request key {key!r} (field {fname!r}) is "
-                        f"already used by {taken}; rename the field"
+                        f"already used by {by}; rename the field"
                     )
             self._classes[cls.name] = cls
 

@@ -80,10 +80,6 @@ class _BackgroundChannel:
             self.bus.counters.max("queue_depth_max", self._pending)
         self.queue.put(bundle)
 
-    def notify_finished(self, request: RequestInfo) -> None:
-        if not self.abandoned:
-            self.queue.put(request)
-
     def abandon(self) -> int:
         """Give up on the stuck thread: drop what is queued; how many bundles were dropped."""
         self.abandoned = True
@@ -264,7 +260,6 @@ class Bus:
                 ch = self._channels[consumer.name] = _BackgroundChannel(self, consumer)
             t = perf_counter()
             host = _to_host(bundle)
-            # Engine-thread seconds copying bundles to the host for background consumers.
             self.counters.add("host_s.to_host", perf_counter() - t)
             ch.put(host)
         else:
@@ -277,7 +272,7 @@ class Bus:
                 why = f"consumer {consumer.name!r} was switched off: a callback passed its deadline"
                 self.results.put(request, consumer.name, {"error": why})
         elif ch is not None:
-            ch.notify_finished(request)  # never dropped, never waits: it carries no tensors
+            ch.queue.put(request)  # takes no slot: never dropped, never waits (no tensors)
         else:
             self.request_done(consumer, request, STEP)
 

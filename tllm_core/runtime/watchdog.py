@@ -29,8 +29,7 @@ BACKGROUND = "background"  # on a background consumer's own thread
 CLOSE = "close"  # close and result: writing what the consumer holds
 # The watchdog wakes this many times per shortest deadline (at most once a second).
 CHECKS_PER_DEADLINE = 4
-# Exit status of an engine process stopped by the watchdog.
-HUNG_EXIT_CODE = 75
+HUNG_EXIT_CODE = 75  # the exit status of an engine process the watchdog stopped
 
 
 @dataclass(frozen=True)
