@@ -89,10 +89,8 @@ class Plugins:
                     continue
                 if own:
                     builtin.add(ep.name)
-                if out.pm.has_plugin(ep.name):
-                    continue  # a distribution seen twice on sys.path registers once
-                if out.pm.is_blocked(ep.name) or any(b.name == ep.name for b in out.broken):
-                    continue
+                if out.pm.has_plugin(ep.name) or any(b.name == ep.name for b in out.broken):
+                    continue  # a distribution seen twice on sys.path registers (or fails) once
                 if not own and allowed is not None and ep.name not in allowed:
                     continue
                 out._dists[ep.name] = dist_name
