@@ -56,7 +56,6 @@ _load_shared = functools.lru_cache(maxsize=2)(_load)
 
 
 def _module(hf: Any, name: str, kind: type, what: str) -> Any:
-    """``hf.model.<name>``, checked to be a ``kind``."""
     found = getattr(getattr(hf, "model", None), name, None)
     if not isinstance(found, kind):
         raise ValueError(f"{type(hf).__name__}: no {what} at model.{name}")
