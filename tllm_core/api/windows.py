@@ -23,12 +23,10 @@ class Selector:
 
     def union(self, other: Any) -> Any:
         """Rows this or ``other`` (or None) selects; a Phase compared by its value."""
-        if other is None or other == self or other == "guide":
+        if other is None or other == self or other == "guide" or self == "all":
             return self
         if self == "guide" or other == "all":
             return other
-        if self == "all":
-            return self
         if isinstance(self, str) and isinstance(other, str):  # prefill and decode
             return type(self)("all")
         both = (x.parts if isinstance(x, AnyOf) else {x} for x in (self, other))
