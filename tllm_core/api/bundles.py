@@ -223,8 +223,7 @@ class GuideView:
     def guided_counts(self) -> tuple[int, int]:
         """Rows with a logit changed through this view, and logits changed (one host read)."""
         c = self._changed
-        rows, cands = torch.stack([(c > 0).sum(), c.sum()]).cpu().tolist()
-        return rows, cands
+        return tuple(torch.stack([(c > 0).sum(), c.sum()]).cpu().tolist())
 
     @property
     def rows_guided(self) -> int:

@@ -47,12 +47,8 @@ def merge_taken(
 
 def with_missing(names: list[str], values: Mapping[str, Any], wait_s: float) -> dict[str, Any]:
     """The results of consumers ``names`` from ``values``, an error for each one missing."""
-    return {
-        n: values[n]
-        if n in values
-        else {"error": f"{n}: no result within {wait_s:g} s (setting results_wait_s)"}
-        for n in names
-    }
+    late = f"no result within {wait_s:g} s (setting results_wait_s)"
+    return {n: values[n] if n in values else {"error": f"{n}: {late}"} for n in names}
 
 
 def encode_array(a: Any) -> dict[str, Any]:

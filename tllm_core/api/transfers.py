@@ -105,7 +105,7 @@ class HostCopyRing:
         self, like: torch.Tensor | Sequence[torch.Tensor], ring: int = 2, read: Read = _as_lists
     ) -> None:
         self._single = isinstance(like, torch.Tensor)
-        likes = [like] if isinstance(like, torch.Tensor) else list(like)
+        likes = [like] if self._single else list(like)
         self._async = async_copies(likes[0].device)
         self._host = [
             [_host_empty(t.numel(), t.dtype, self._async).view(t.shape) for t in likes]

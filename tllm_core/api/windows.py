@@ -23,12 +23,10 @@ class Selector:
 
     def union(self, other: Any) -> Any:
         """Rows this or ``other`` (or None) selects; a Phase compared by its value."""
-        if other is None or other == self or other == "guide":
+        if other is None or other == self or other == "guide" or self == "all":
             return self
         if self == "guide" or other == "all":
             return other
-        if self == "all":
-            return self
         if isinstance(self, str) and isinstance(other, str):  # prefill and decode
             return type(self)("all")
         both = (x.parts if isinstance(x, AnyOf) else {x} for x in (self, other))
@@ -72,8 +70,7 @@ class Window(Selector):
         return cls(region, values[0], values[1], 1 if values[2] is None else values[2])
 
     def __str__(self) -> str:
-        a = "" if self.start is None else str(self.start)
-        b = "" if self.stop is None else str(self.stop)
+        a, b = ("" if v is None else v for v in (self.start, self.stop))
         k = "" if self.step == 1 else f":{self.step}"
         return f"{self.region}[{a}:{b}{k}]"
 

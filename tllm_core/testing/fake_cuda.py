@@ -503,7 +503,6 @@ def _cuda_stubs(fc: FakeCuda) -> dict[str, Any]:
     def graph(
         cuda_graph: FakeGraph, pool: Any = None, stream: FakeStream | None = None, **_: Any
     ) -> Iterator[FakeGraph]:
-        # The real context manager synchronizes the device before capturing.
         synchronize(what="torch.cuda.graph() (synchronizes the device before capture)")
         with on_stream(stream or FakeStream(fc)):
             cuda_graph.capture_begin()

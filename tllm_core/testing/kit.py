@@ -56,7 +56,6 @@ _load_shared = functools.lru_cache(maxsize=2)(_load)
 
 
 def _module(hf: Any, name: str, kind: type, what: str) -> Any:
-    """``hf.model.<name>``, checked to be a ``kind``."""
     found = getattr(getattr(hf, "model", None), name, None)
     if not isinstance(found, kind):
         raise ValueError(f"{type(hf).__name__}: no {what} at model.{name}")
@@ -191,8 +190,7 @@ class HfTap:
         return new
 
     def _transform(self, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The in-graph transforms on the step's rows, in consumer order; returns ``(new
-        rows, rows edited)``."""
+        """The in-graph transforms over the step's rows in consumer order: ``(new rows, edited)``."""
         mask = self.edit.mask[: len(new)]
         for _, module, rows in self.edit.transforms:
             rows = rows[: len(new)]
@@ -475,8 +473,7 @@ class ConsumerKit:
         return out
 
     def _take_results(self, reqs: list[_Request]) -> None:
-        """Per-request results into :attr:`results`, keyed by (prompt index, sample), as
-        ``TllmLLM`` sets ``completion.tllm``."""
+        """:attr:`results` by (prompt index, sample), as ``TllmLLM`` sets ``completion.tllm``."""
         asking = [r for r in reqs if asked_results(r.info.extra_args)]
         self.results = {}
         if not asking:
