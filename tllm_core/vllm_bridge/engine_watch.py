@@ -164,9 +164,8 @@ def engine_processes(core: Any) -> list[Any]:
 class EngineWatch:
     """Watches the processes of vLLM's engine client ``core`` from a daemon thread."""
 
-    def __init__(self, core: Any, poll_s: float = POLL_S) -> None:
+    def __init__(self, core: Any) -> None:
         self.core = core
-        self.poll_s = poll_s
         self.cores = engine_processes(core)
         self.death: Death | None = None
         self.pids: set[int] = {int(p.pid) for p in self.cores if p.pid}  # every one seen
@@ -215,14 +214,14 @@ class EngineWatch:
             self._close_pidfds()
 
     def _wait(self) -> bool:
-        """Wait ``poll_s`` or until a worker exits (its status read); True once stopped."""
+        """Wait :data:`POLL_S` or until a worker exits (its status read); True once stopped."""
         if not self._pidfds:
-            return self._stopping.wait(self.poll_s)
+            return self._stopping.wait(POLL_S)
         poller = select.poll()
         for fd in self._pidfds.values():
             poller.register(fd, select.POLLIN)
         by_fd = {fd: pid for pid, fd in self._pidfds.items()}
-        for fd, _ in poller.poll(self.poll_s * 1000):
+        for fd, _ in poller.poll(POLL_S * 1000):
             if (code := exit_code(by_fd[fd])) is not None:
                 self._codes.setdefault(by_fd[fd], code)
         return self._stopping.is_set()

@@ -46,7 +46,6 @@ class RunnerHooks:
         self.step: StepCapture | None = None
         # Async scheduling: step k+1 is scheduled before step k's tokens are known, so a step
         # is delivered when the next one reports who finished (its rows past a stop not kept).
-        self._defer = adapter.async_scheduling
         self._pending: StepCapture | None = None
         self.num_tokens = 0
         info = runtime.model
@@ -107,9 +106,9 @@ class RunnerHooks:
                 sample_index=sample,
                 num_prompt_tokens=n_prompt,
                 extra_args=extra,
+                cut_short=rid in self._aborting,
                 prompt_token_ids=prompt_ids,
             )
-            req.cut_short = rid in self._aborting
             self.runtime.results.reuse(rid, engine_id, parent)  # a new request: wanted
             self.requests[engine_id] = req
         return req
@@ -182,7 +181,7 @@ class RunnerHooks:
         if self.step is None:
             return
         self.step.tensors["sampled"] = token_ids
-        if self._defer:
+        if self.adapter.async_scheduling:
             self._pending = self.step
             return
         with self._timed("end_step"):

@@ -4,6 +4,7 @@ kills engines slower than 5 s), abort its requests, keep finished outputs (CONTR
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,11 +28,10 @@ def shutdown_engine(llm: Any, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
 
     def waking_join(proc: Any, join: Callable[[float | None], None]) -> Callable[..., None]:
         def joining(timeout: float | None = None) -> None:
-            deadline = None if timeout is None else time.monotonic() + timeout
+            deadline = time.monotonic() + (math.inf if timeout is None else timeout)
             while True:
-                left = WAKE_INTERVAL_S if deadline is None else deadline - time.monotonic()
-                join(max(0.0, min(WAKE_INTERVAL_S, left)))
-                if not proc.is_alive() or (deadline is not None and time.monotonic() >= deadline):
+                join(max(0.0, min(WAKE_INTERVAL_S, deadline - time.monotonic())))
+                if not proc.is_alive() or time.monotonic() >= deadline:
                     return
                 with contextlib.suppress(Exception):  # engine gone or client closed
                     core.abort_requests([WAKE_REQUEST_ID])

@@ -341,7 +341,7 @@ class ResultReturn:
         paths: tuple[str, ...],
         ask: Callable[[], Ask | None],
         wait_s: float,
-        discard: Callable[[list[str]], Awaitable[None]] | None = None,
+        discard: Callable[[list[str], list[str]], Awaitable[Any]] | None = None,
     ):
         self.app = app
         self.paths = paths

@@ -76,6 +76,10 @@ CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # Routes whose answers carry per-request results (choices), and the one that cannot.
 RESULTS_PATHS = ("/v1/completions", "/v1/chat/completions")
 NO_RESULTS = ("/v1/responses",)
+NO_RESULTS_ERROR = (
+    f"tllm: {RESULTS_KEY} is answered on {' and '.join(RESULTS_PATHS)} only; this route "
+    "returns no results"
+)
 # A body past the limit is still read up to this many times it, so the client sees the 413.
 DRAIN_FACTOR = 4
 # A control call answered after its 504 is still adopted up to this many times engine_answer_s.
@@ -111,8 +115,7 @@ def check_xargs(xargs: dict, server: EngineConsumers, path: str) -> tuple[int, s
             "refused rather than served without it"
         )
     if RESULTS_KEY in xargs and path.endswith(NO_RESULTS):
-        where = " and ".join(RESULTS_PATHS)
-        return 400, f"tllm: {RESULTS_KEY} is returned on {where} only; {path} has no place for it"
+        return 400, NO_RESULTS_ERROR
     return None
 
 
@@ -536,11 +539,7 @@ def install_request_checks(
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
         if extra and RESULTS_KEY in extra:
             if ASKED.get() is None:  # a route without results
-                raise VLLMValidationError(
-                    f"tllm: {RESULTS_KEY} is answered on {' and '.join(RESULTS_PATHS)} only; this "
-                    "route returns no results",
-                    parameter="vllm_xargs",
-                )
+                raise VLLMValidationError(NO_RESULTS_ERROR, parameter="vllm_xargs")
             refused, held = REFUSED.get(), HELD.get()
             why = (refused[0] if refused else None) or id_in_use(request)
             if why is None and max_result_bytes is not None:
