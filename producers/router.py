@@ -19,15 +19,13 @@ class RouterLogits(LayerPort):
 
 
 class RouterTopK(LayerPort):
-    """Ids of the experts layer ``layer``'s router chose, heaviest first (``"router_topk.{i}"``,
-    int64)."""
+    """Ids of the experts layer ``layer``'s router chose, heaviest first (int64)."""
 
     prefix = "router_topk"
 
 
 class RouterWeights(LayerPort):
-    """Weights of the experts of :class:`RouterTopK`, in its order (``"router_weights.{i}"``,
-    fp32)."""
+    """Weights of the experts of :class:`RouterTopK`, in its order (fp32)."""
 
     prefix = "router_weights"
 

@@ -308,8 +308,7 @@ class DataParallelExport:
 def open_export(
     path: str | os.PathLike, verify: bool = False, reader: type[ExportReader] = ExportReader
 ) -> ExportReader | DataParallelExport:
-    """The export at ``path``: one export, or the parts of a data-parallel run merged; ``reader``
-    reads one part."""
+    """The export at ``path``, a data-parallel one's parts merged; ``reader`` reads one part."""
     root = os.path.expanduser(os.fspath(path))
     if not os.path.isfile(os.path.join(root, fmt.MANIFEST)):
         parts = export_parts(root)

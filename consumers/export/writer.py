@@ -348,15 +348,14 @@ class RecordWriter:
         with contextlib.suppress(OSError):
             os.remove(path + fmt.TMP_SUFFIX)
         mpath = os.path.join(self.path, fmt.MANIFEST)
-        if path == mpath:
-            if os.path.isfile(mpath):
-                raise ExportWriteError(
-                    f"export: {self.error}; {mpath!r} is an earlier manifest (the rows since are "
-                    "not written)"
-                ) from e
-        else:
+        if path != mpath:
             with contextlib.suppress(ExportWriteError):  # no manifest: the error below says so
                 self.write_manifest()
+        elif os.path.isfile(mpath):
+            raise ExportWriteError(
+                f"export: {self.error}; {mpath!r} is an earlier manifest (the rows since are "
+                "not written)"
+            ) from e
         if not os.path.isfile(mpath):
             raise ExportWriteError(
                 f"export: {self.error}; no manifest could be written, so nothing in "
