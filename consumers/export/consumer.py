@@ -139,7 +139,6 @@ class ExportConsumer(Consumer):
         self.shard_rows = 0
         if config.out is None:  # returns rows only
             return
-        # Data parallel: this engine writes its own part folder (out/dp{rank}).
         layout = output_layout(
             config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
         )

@@ -85,8 +85,7 @@ class SaeConsumer(Consumer):
             "values": np.zeros((0, k), np.float32),
         }
         dev = context.model.device
-        dev = dev if dev.type != "meta" else torch.device("cpu")
-        self.sae_dev = sae if dev.type == "cpu" else sae.to(dev)
+        self.sae_dev = sae if dev.type in ("cpu", "meta") else sae.to(dev)
         # (feature, value); a later entry for the same feature wins.
         clamps = list(
             {e.feature: float(e.clamp) for e in config.steer if e.clamp is not None}.items()
@@ -99,7 +98,6 @@ class SaeConsumer(Consumer):
         self._plans: dict[str, tuple[torch.Tensor | None, bool, bool]] = {}
         self.writer: FeatureWriter | None = None
         if config.out is not None:
-            # Data parallel: this engine writes its own part folder (out/dp{rank}).
             layout = output_layout(
                 config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
             )

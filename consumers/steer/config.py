@@ -201,8 +201,7 @@ class SteerRequest(RequestSettings):
         return self
 
 
-# keep_dir holds one NAME.safetensors per registered vector (layer, mode, scale and normalize
-# as metadata).
+# keep_dir: one NAME.safetensors per registered vector, its settings as metadata.
 KEPT_SUFFIX = ".safetensors"
 
 

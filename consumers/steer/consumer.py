@@ -84,7 +84,6 @@ class _Vec:
     layer: int
     vector: torch.Tensor
     transform: SteerTransform | None = None  # gated or clamping: decided inside the forward
-    # scale -> vector * scale: the same tensor every step, moved to the model's dtype once.
     scaled: dict[float, torch.Tensor] = field(default_factory=dict)
 
     def times(self, scale: float) -> torch.Tensor:
