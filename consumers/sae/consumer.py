@@ -216,9 +216,8 @@ class SaeConsumer(Consumer):
         sae = self.sae if xs.device.type == "cpu" else self.sae_dev
         with torch.no_grad():
             codes = _Codes.encode(sae, xs, self.config.watch)
-            m = int(sel.size)
             stats = codes.stats.tolist()
-            self.counters.add("rows_encoded", m)
+            self.counters.add("rows_encoded", int(sel.size))
             self.counters.add("active_features", int(stats[0]))
             self.counters.add("recon_sq_error", stats[1])
             self.counters.add("input_sq_norm", stats[2])
@@ -228,8 +227,7 @@ class SaeConsumer(Consumer):
             if rec is None or not rec.any():
                 return
             ridx = np.nonzero(rec)[0]
-            ind, val = codes.top(self.config.top_k, None if ridx.size == m else ridx)
-        vdt = torch.float16 if self.config.values_dtype == "float16" else torch.float32
+            ind, val = codes.top(self.config.top_k, None if ridx.size == sel.size else ridx)
         rsel = sel[ridx]
         before = len(self.writer.shards)
         try:
@@ -239,7 +237,7 @@ class SaeConsumer(Consumer):
                 tokens[rsel],
                 np.asarray(rows.is_decode, np.bool_)[rsel],
                 ind.cpu(),
-                val.to("cpu", vdt),
+                val.to("cpu", getattr(torch, self.config.values_dtype)),
             )
             self.counters.add("rows_recorded", int(rsel.size))
         finally:  # a failed write still counts the shards it wrote before
