@@ -78,11 +78,10 @@ class SaeConsumer(Consumer):
         check_features(config.watch, sae.d_sae, "sae: watch[{}]")
         self.sae = sae  # host copy (fp32): encodes background bundles
         self._returned = RequestRows(context.max_result_bytes, "sae")
-        k = config.top_k
         self._no_rows = {
             "positions": np.zeros(0, np.int64),
-            "features": np.zeros((0, k), np.int64),
-            "values": np.zeros((0, k), np.float32),
+            "features": np.zeros((0, config.top_k), np.int64),
+            "values": np.zeros((0, config.top_k), np.float32),
         }
         dev = context.model.device
         self.sae_dev = sae if dev.type in ("cpu", "meta") else sae.to(dev)

@@ -46,8 +46,6 @@ class SteerGate(_FromPathOrVector):
 
 
 class SteerVector(_FromPathOrVector):
-    """One vector at one layer."""
-
     name: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
