@@ -31,9 +31,8 @@ class RouterWeights(LayerPort):
 
 
 def chosen_experts(logits: torch.Tensor, info: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, weights)`` ``[rows, top_k]`` from router logits, as a softmax-then-top-k router
-    with ``info``'s ``top_k`` and ``renormalize`` picks them. ``ValueError`` for another kind of
-    router (``info["routing"]`` names it)."""
+    """``(ids, weights)`` ``[rows, top_k]`` as a softmax-then-top-k router with ``info``'s
+    ``top_k`` and ``renormalize`` picks them from ``logits`` (``ValueError`` for another kind)."""
     if info.get("routing") != "softmax_topk" or not info.get("top_k"):
         raise ValueError(
             f"chosen experts are computed for softmax-then-top-k routers only; this model's "
