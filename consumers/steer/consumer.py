@@ -289,9 +289,7 @@ class SteerConsumer(Consumer):
                 s = torch.from_numpy(sc[idx].astype(np.float32)).to(v.vector.device)
                 plan.add(v.layer, idx, s[:, None] * v.vector)
         for layer, sel in per_layer.items():
-            self.counters.add(f"rows_selected.layer.{layer}", len(sel))
-        if per_layer:
-            self.counters.add("rows_selected", sum(len(sel) for sel in per_layer.values()))
+            self.counters.add("rows_selected", len(sel), of=f"layer.{layer}")
 
     def on_request_finished(self, request: RequestInfo) -> None:
         self._req_cache.pop(request.engine_id, None)
@@ -327,8 +325,7 @@ class SteerConsumer(Consumer):
         for layer, t in gated:  # the forwards' counts into the counters
             n = int(t.gated.item())
             t.gated.zero_()
-            self.counters.add(f"rows_gated.layer.{layer}", n)
-            self.counters.add("rows_gated", n)
+            self.counters.add("rows_gated", n, of=f"layer.{layer}")
         out: dict[str, Any] = {
             "layers": self.layers,
             "rows_selected": int(self.counters.get("rows_selected")),
