@@ -308,10 +308,8 @@ def open_export(
 ) -> ExportReader | DataParallelExport:
     """The export at ``path``, a data-parallel one's parts merged; ``reader`` reads one part."""
     root = os.path.expanduser(os.fspath(path))
-    if not os.path.isfile(os.path.join(root, fmt.MANIFEST)):
-        parts = export_parts(root)
-        if parts:
-            return DataParallelExport(root, [(r, reader(p, verify=verify)) for r, p in parts])
+    if not os.path.isfile(os.path.join(root, fmt.MANIFEST)) and (parts := export_parts(root)):
+        return DataParallelExport(root, [(r, reader(p, verify=verify)) for r, p in parts])
     return reader(root, verify=verify)
 
 
