@@ -382,8 +382,7 @@ class RecordWriter:
         table = self.table.manifest_fields()
         if self.error is not None:  # after a failed write: the cause, and the rows it cost
             table["losses"]["rows_unwritten"] = self.rows_unwritten
-        losses = table["losses"].values()
-        self.complete = self.closed and not any(losses) and self.error is None
+        self.complete = self.closed and not any(table["losses"].values()) and self.error is None
         layout, part = self.layout, {}
         if layout.dp_size > 1:
             part = {"data_parallel": {"rank": layout.dp_rank, "size": layout.dp_size}}
