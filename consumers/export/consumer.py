@@ -1,6 +1,5 @@
-"""``export``: write captured hidden states (plus token ids) to sharded safetensors files, on
-the background thread (host copies). Layout: ``docs/export-format.md``; reader:
-:func:`consumers.export.read_export`."""
+"""``export``: captured hidden states and token ids to sharded safetensors, on the background
+thread; layout: ``docs/export-format.md``; reader: :func:`consumers.export.read_export`."""
 
 from __future__ import annotations
 
