@@ -1,2 +1,1 @@
-"""Built-in consumers: ``stats``, ``export``, ``steer``, ``sae``. They register through the same
-pluggy hook as third-party consumers (see ``consumers.plugin``)."""
+"""Built-in consumers, registered through the same pluggy hook as third-party ones."""

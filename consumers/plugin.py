@@ -28,7 +28,6 @@ WRITERS = ("export", "sae")
 
 @hookimpl
 def tllm_run_failed(consumers, cause, started_at):
-    # Mark the export-format directories (config["out"]) of the consumers that write one.
     from consumers.export.format import mark_run_failed
 
     for spec in consumers:

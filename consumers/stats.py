@@ -75,10 +75,9 @@ class StatsConsumer(Consumer):
 
     def __init__(self, config: StatsConfig, context):
         super().__init__(config, context)
+        phase = as_selector(config.phase, "stats: phase")
         self._ports = [
-            residual_port(str(layer), as_selector(config.phase, "stats: phase")).resolve(
-                context.resolve_layer
-            )
+            residual_port(str(layer), phase).resolve(context.resolve_layer)
             for layer in config.layers
         ]
         # (request_id, sample_index) -> key -> [rows, sum of norms, max |x|], oldest first

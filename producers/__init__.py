@@ -1,6 +1,5 @@
-"""Built-in producers, one file per port family, registered through ``tllm_producers``
-(:mod:`producers.plugin`) as a third-party one would be. Names import on first use (PEP 562), so
-loading the entry point imports no torch."""
+"""Built-in producers, registered through ``tllm_producers`` as a third-party one would be.
+Names import on first use (PEP 562): loading the entry point imports no torch."""
 
 from __future__ import annotations
 

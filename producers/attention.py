@@ -1,5 +1,4 @@
-"""``AttentionOutput``: a decoder layer's self-attention block output (after its output
-projection, before it is added to the residual stream)."""
+"""``AttentionOutput``: a decoder layer's self-attention output, before the residual add."""
 
 from __future__ import annotations
 

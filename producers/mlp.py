@@ -1,5 +1,4 @@
-"""``MlpOutput``: a decoder layer's MLP block output (before it is added to the residual
-stream)."""
+"""``MlpOutput``: a decoder layer's MLP block output, before the residual add."""
 
 from __future__ import annotations
 

@@ -19,23 +19,20 @@ class RouterLogits(LayerPort):
 
 
 class RouterTopK(LayerPort):
-    """Ids of the experts layer ``layer``'s router chose, heaviest first (``"router_topk.{i}"``,
-    int64)."""
+    """Ids of the experts layer ``layer``'s router chose, heaviest first (int64)."""
 
     prefix = "router_topk"
 
 
 class RouterWeights(LayerPort):
-    """Weights of the experts of :class:`RouterTopK`, in its order (``"router_weights.{i}"``,
-    fp32)."""
+    """Weights of the experts of :class:`RouterTopK`, in its order (fp32)."""
 
     prefix = "router_weights"
 
 
 def chosen_experts(logits: torch.Tensor, info: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, weights)`` ``[rows, top_k]`` from router logits, as a softmax-then-top-k router
-    with ``info``'s ``top_k`` and ``renormalize`` picks them. ``ValueError`` for another kind of
-    router (``info["routing"]`` names it)."""
+    """``(ids, weights)`` ``[rows, top_k]`` as a softmax-then-top-k router with ``info``'s
+    ``top_k`` and ``renormalize`` picks them from ``logits`` (``ValueError`` for another kind)."""
     if info.get("routing") != "softmax_topk" or not info.get("top_k"):
         raise ValueError(
             f"chosen experts are computed for softmax-then-top-k routers only; this model's "

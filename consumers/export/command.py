@@ -24,8 +24,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     # The config checks the names' syntax, the consumer checks them against the producers.
     layers: list[int | str] = [s.strip() for s in args.layers.split(",") if s.strip()]
     config = dict(out=str(args.out), layers=layers, phase=args.phase, overwrite=args.overwrite)
-    spec = ConsumerSpec(name="export", config=config)
-    consumers = [spec, *(args.consumer or [])]
+    consumers = [ConsumerSpec(name="export", config=config), *(args.consumer or [])]
     # Cached prompt blocks are not recomputed, so their rows would be missing.
     cli_common.say(
         "export: prefix caching is turned off for this run (every prompt row is exported)"

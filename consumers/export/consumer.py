@@ -1,6 +1,5 @@
-"""``export``: write captured hidden states (plus token ids) to sharded safetensors files, on
-the background thread (host copies). Layout: ``docs/export-format.md``; reader:
-:func:`consumers.export.read_export`."""
+"""``export``: captured hidden states and token ids to sharded safetensors, on the background
+thread; layout: ``docs/export-format.md``; reader: :func:`consumers.export.read_export`."""
 
 from __future__ import annotations
 
@@ -139,7 +138,6 @@ class ExportConsumer(Consumer):
         self.shard_rows = 0
         if config.out is None:  # returns rows only
             return
-        # Data parallel: this engine writes its own part folder (out/dp{rank}).
         layout = output_layout(
             config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
         )

@@ -77,7 +77,6 @@ class ExportReader:
     """An export directory: manifest, request table and shards (other formats subclass it)."""
 
     format_name = fmt.FORMAT_NAME
-    format_version = fmt.FORMAT_VERSION
     tensor_name = staticmethod(fmt.hidden_tensor_name)  # shard tensor name of a manifest key
 
     def __init__(self, path: str | os.PathLike, verify: bool = False):
@@ -101,10 +100,10 @@ class ExportReader:
         if not isinstance(self.manifest, dict) or self.manifest.get("format") != self.format_name:
             raise ExportFormatError(f"{mpath!r} is not a {self.format_name} manifest")
         version = self.manifest.get("version")
-        if version not in range(1, self.format_version + 1):
+        if version not in range(1, fmt.FORMAT_VERSION + 1):
             raise ExportFormatError(
                 f"{mpath!r} has format version {version!r}; this reader reads versions 1 to "
-                f"{self.format_version}"
+                f"{fmt.FORMAT_VERSION}"
             )
         try:  # a manifest cut by hand or by another writer: name the file, not a KeyError
             self.keys: list[str] = list(self.manifest["keys"])
@@ -122,7 +121,6 @@ class ExportReader:
         except (LookupError, TypeError) as e:  # the manifest's part of the table
             raise ExportFormatError(f"{mpath!r} lacks a field or has a bad one: {e!r}") from None
         self.complete: bool = bool(self.manifest.get("complete", False))
-        self.verify = verify
         self._unverified = set(range(len(self.shards))) if verify else set()  # hashed once each
         if not self.complete:
             warnings.warn(
@@ -308,13 +306,10 @@ class DataParallelExport:
 def open_export(
     path: str | os.PathLike, verify: bool = False, reader: type[ExportReader] = ExportReader
 ) -> ExportReader | DataParallelExport:
-    """The export at ``path``: one export, or the parts of a data-parallel run merged; ``reader``
-    reads one part."""
+    """The export at ``path``, a data-parallel one's parts merged; ``reader`` reads one part."""
     root = os.path.expanduser(os.fspath(path))
-    if not os.path.isfile(os.path.join(root, fmt.MANIFEST)):
-        parts = export_parts(root)
-        if parts:
-            return DataParallelExport(root, [(r, reader(p, verify=verify)) for r, p in parts])
+    if not os.path.isfile(os.path.join(root, fmt.MANIFEST)) and (parts := export_parts(root)):
+        return DataParallelExport(root, [(r, reader(p, verify=verify)) for r, p in parts])
     return reader(root, verify=verify)
 
 

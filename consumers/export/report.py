@@ -68,7 +68,11 @@ def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
     if not keys:
         return []
     mean = [sum(per_key[k]) / len(per_key[k]) for k in keys]
-    out = [
+    series = [
+        Series(k, sorted(by_pos[k]), [sum(v) / len(v) for _, v in sorted(by_pos[k].items())])
+        for k in keys
+    ]
+    return [
         Plot(
             name="norms",
             title="Exported hidden states: mean L2 norm per layer",
@@ -77,13 +81,7 @@ def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
             kind="bar",
             series=(Series("mean norm", keys, mean),),
             caption=f"from the export's first {MAX_RECORDS} records at most",
-        )
-    ]
-    series = [
-        Series(k, sorted(by_pos[k]), [sum(v) / len(v) for _, v in sorted(by_pos[k].items())])
-        for k in keys
-    ]
-    out.append(
+        ),
         Plot(
             name="norms_by_position",
             title="Exported hidden states: mean L2 norm by position",
@@ -91,6 +89,5 @@ def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
             ylabel="mean ‖h‖₂",
             series=tuple(series),
             log_y=True,
-        )
-    )
-    return out
+        ),
+    ]

@@ -348,15 +348,14 @@ class RecordWriter:
         with contextlib.suppress(OSError):
             os.remove(path + fmt.TMP_SUFFIX)
         mpath = os.path.join(self.path, fmt.MANIFEST)
-        if path == mpath:
-            if os.path.isfile(mpath):
-                raise ExportWriteError(
-                    f"export: {self.error}; {mpath!r} is an earlier manifest (the rows since are "
-                    "not written)"
-                ) from e
-        else:
+        if path != mpath:
             with contextlib.suppress(ExportWriteError):  # no manifest: the error below says so
                 self.write_manifest()
+        elif os.path.isfile(mpath):
+            raise ExportWriteError(
+                f"export: {self.error}; {mpath!r} is an earlier manifest (the rows since are "
+                "not written)"
+            ) from e
         if not os.path.isfile(mpath):
             raise ExportWriteError(
                 f"export: {self.error}; no manifest could be written, so nothing in "
@@ -383,8 +382,7 @@ class RecordWriter:
         table = self.table.manifest_fields()
         if self.error is not None:  # after a failed write: the cause, and the rows it cost
             table["losses"]["rows_unwritten"] = self.rows_unwritten
-        losses = table["losses"].values()
-        self.complete = self.closed and not any(losses) and self.error is None
+        self.complete = self.closed and not any(table["losses"].values()) and self.error is None
         layout, part = self.layout, {}
         if layout.dp_size > 1:
             part = {"data_parallel": {"rank": layout.dp_rank, "size": layout.dp_size}}

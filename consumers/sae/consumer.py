@@ -78,15 +78,13 @@ class SaeConsumer(Consumer):
         check_features(config.watch, sae.d_sae, "sae: watch[{}]")
         self.sae = sae  # host copy (fp32): encodes background bundles
         self._returned = RequestRows(context.max_result_bytes, "sae")
-        k = config.top_k
         self._no_rows = {
             "positions": np.zeros(0, np.int64),
-            "features": np.zeros((0, k), np.int64),
-            "values": np.zeros((0, k), np.float32),
+            "features": np.zeros((0, config.top_k), np.int64),
+            "values": np.zeros((0, config.top_k), np.float32),
         }
         dev = context.model.device
-        dev = dev if dev.type != "meta" else torch.device("cpu")
-        self.sae_dev = sae if dev.type == "cpu" else sae.to(dev)
+        self.sae_dev = sae if dev.type in ("cpu", "meta") else sae.to(dev)
         # (feature, value); a later entry for the same feature wins.
         clamps = list(
             {e.feature: float(e.clamp) for e in config.steer if e.clamp is not None}.items()
@@ -99,7 +97,6 @@ class SaeConsumer(Consumer):
         self._plans: dict[str, tuple[torch.Tensor | None, bool, bool]] = {}
         self.writer: FeatureWriter | None = None
         if config.out is not None:
-            # Data parallel: this engine writes its own part folder (out/dp{rank}).
             layout = output_layout(
                 config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
             )
@@ -218,9 +215,8 @@ class SaeConsumer(Consumer):
         sae = self.sae if xs.device.type == "cpu" else self.sae_dev
         with torch.no_grad():
             codes = _Codes.encode(sae, xs, self.config.watch)
-            m = int(sel.size)
             stats = codes.stats.tolist()
-            self.counters.add("rows_encoded", m)
+            self.counters.add("rows_encoded", int(sel.size))
             self.counters.add("active_features", int(stats[0]))
             self.counters.add("recon_sq_error", stats[1])
             self.counters.add("input_sq_norm", stats[2])
@@ -230,8 +226,7 @@ class SaeConsumer(Consumer):
             if rec is None or not rec.any():
                 return
             ridx = np.nonzero(rec)[0]
-            ind, val = codes.top(self.config.top_k, None if ridx.size == m else ridx)
-        vdt = torch.float16 if self.config.values_dtype == "float16" else torch.float32
+            ind, val = codes.top(self.config.top_k, None if ridx.size == sel.size else ridx)
         rsel = sel[ridx]
         before = len(self.writer.shards)
         try:
@@ -241,7 +236,7 @@ class SaeConsumer(Consumer):
                 tokens[rsel],
                 np.asarray(rows.is_decode, np.bool_)[rsel],
                 ind.cpu(),
-                val.to("cpu", vdt),
+                val.to("cpu", getattr(torch, self.config.values_dtype)),
             )
             self.counters.add("rows_recorded", int(rsel.size))
         finally:  # a failed write still counts the shards it wrote before

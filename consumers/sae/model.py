@@ -120,9 +120,8 @@ class SparseAutoencoder:
             or acts.dim() != 2
             or acts.requires_grad
             or acts.device.type != "cpu"  # a GPU's dense product beats the count's sync
+            or int(torch.count_nonzero(acts)) * 16 > acts.numel()
         ):
-            return self.decode(acts, state)
-        if int(torch.count_nonzero(acts)) * 16 > acts.numel():
             return self.decode(acts, state)
         if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
             acts = acts / self.W_dec.norm(dim=-1)

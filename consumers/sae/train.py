@@ -9,7 +9,7 @@ import os
 import torch
 
 from consumers.export.reader import read_export
-from consumers.sae.model import SparseAutoencoder
+from consumers.sae.model import ARCHITECTURES, SparseAutoencoder
 
 
 def activations_from_export(path: str | os.PathLike, key: str) -> torch.Tensor:
@@ -33,8 +33,8 @@ def train_sae(
     seed: int = 0,
 ) -> SparseAutoencoder:
     """Train an SAE of width ``d_sae`` on rows ``x [N, d_in]``; returns it on the CPU."""
-    if architecture not in ("standard", "jumprelu", "topk"):
-        raise ValueError(f"architecture {architecture!r}: allowed standard, jumprelu, topk")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r}: allowed {', '.join(ARCHITECTURES)}")
     if architecture == "topk" and not k:
         raise ValueError("a topk SAE needs k >= 1")
     x = x.detach().float().cpu()

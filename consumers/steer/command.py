@@ -35,9 +35,8 @@ def check_out(out: Path) -> None:
         raise ValueError(f"--out must end in .safetensors, .pt or .npy, got {out.name!r}")
     if out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a directory; give a file name")
-    parent = out.parent if str(out.parent) else Path(".")
-    if parent.exists() and not os.access(parent, os.W_OK):
-        raise ValueError(f"--out directory {parent} is not writable")
+    if out.parent.exists() and not os.access(out.parent, os.W_OK):
+        raise ValueError(f"--out directory {out.parent} is not writable")
 
 
 def save_vector(vec: torch.Tensor, out: Path) -> None:

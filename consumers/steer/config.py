@@ -46,8 +46,6 @@ class SteerGate(_FromPathOrVector):
 
 
 class SteerVector(_FromPathOrVector):
-    """One vector at one layer."""
-
     name: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
@@ -201,8 +199,7 @@ class SteerRequest(RequestSettings):
         return self
 
 
-# keep_dir holds one NAME.safetensors per registered vector (layer, mode, scale and normalize
-# as metadata).
+# keep_dir: one NAME.safetensors per registered vector, its settings as metadata.
 KEPT_SUFFIX = ".safetensors"
 
 

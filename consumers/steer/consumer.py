@@ -84,7 +84,6 @@ class _Vec:
     layer: int
     vector: torch.Tensor
     transform: SteerTransform | None = None  # gated or clamping: decided inside the forward
-    # scale -> vector * scale: the same tensor every step, moved to the model's dtype once.
     scaled: dict[float, torch.Tensor] = field(default_factory=dict)
 
     def times(self, scale: float) -> torch.Tensor:
@@ -97,10 +96,6 @@ class _Vec:
             with torch.inference_mode(False):
                 out = self.scaled[scale] = self.vector * scale
         return out
-
-
-# A request's steering: None (not steered) or (scale override, {name: scale} chosen or None).
-_State = tuple[float | None, dict[str, float | None] | None] | None
 
 
 ADD_FIELDS = frozenset({"name", "layer", "vector", "scale", "mode", "normalize"})
@@ -189,7 +184,7 @@ class SteerConsumer(Consumer):
         except ValueError as e:
             raise ValueError(f"steer: open_layers: {e}") from None
         self.layers = sorted({v.layer for v in self.vectors} | opened)
-        self._req_cache: dict[str, _State] = {}
+        self._req_cache: dict[str, SteerRequest | None] = {}
 
     def _build(self, entry: SteerVector, what: str) -> _Vec:
         hidden = int(self.context.model.hidden_size)
@@ -243,13 +238,13 @@ class SteerConsumer(Consumer):
             for layer in self.layers
         ]
 
-    def _request_state(self, req: RequestInfo) -> _State:
+    def _request_state(self, req: RequestInfo) -> SteerRequest | None:
+        """``req``'s settings; None: not steered (a per-request steer it did not name)."""
         if req.engine_id not in self._req_cache:
-            state = None  # per-request steer that this request did not name
+            state = None
             if self.acts_on(req):
                 try:  # checked at admission; a vector removed since then fails here
-                    settings = req.settings(self)
-                    state = (settings.scale, settings.vectors)
+                    state = req.settings(self)
                 except ValueError as e:  # that request unsteered, the others as asked
                     self.counters.add("invalid_request_settings")
                     log.warning("steer: request %r: %s; not steered", req.request_id, e)
@@ -266,14 +261,14 @@ class SteerConsumer(Consumer):
         # Per vector: each row's scale, once a request overrides it ('add' outside the graph).
         scales: list[np.ndarray | None] = [None] * len(self.vectors)
         for req, start, stop in rows.runs():
-            state = self._request_state(req)
+            s = self._request_state(req)
+            named = s is not None and s.vectors is not None
             for j, v in enumerate(self.vectors):
-                named = state is not None and state[1] is not None
-                if state is None or (v.entry.name not in state[1] if named else v.entry.registered):
+                if s is None or (v.entry.name not in s.vectors if named else v.entry.registered):
                     masks[j][start:stop] = False
                     continue
-                scale = state[1].get(v.entry.name) if named else None
-                scale = state[0] if scale is None else scale
+                scale = s.vectors.get(v.entry.name) if named else None
+                scale = s.scale if scale is None else scale
                 if scale is not None and v.entry.mode == "add" and v.transform is None:
                     if scales[j] is None:
                         scales[j] = np.full(n, v.entry.scale)
@@ -294,9 +289,7 @@ class SteerConsumer(Consumer):
                 s = torch.from_numpy(sc[idx].astype(np.float32)).to(v.vector.device)
                 plan.add(v.layer, idx, s[:, None] * v.vector)
         for layer, sel in per_layer.items():
-            self.counters.add(f"rows_selected.layer.{layer}", len(sel))
-        if per_layer:
-            self.counters.add("rows_selected", sum(len(sel) for sel in per_layer.values()))
+            self.counters.add("rows_selected", len(sel), of=f"layer.{layer}")
 
     def on_request_finished(self, request: RequestInfo) -> None:
         self._req_cache.pop(request.engine_id, None)
@@ -332,8 +325,7 @@ class SteerConsumer(Consumer):
         for layer, t in gated:  # the forwards' counts into the counters
             n = int(t.gated.item())
             t.gated.zero_()
-            self.counters.add(f"rows_gated.layer.{layer}", n)
-            self.counters.add("rows_gated", n)
+            self.counters.add("rows_gated", n, of=f"layer.{layer}")
         out: dict[str, Any] = {
             "layers": self.layers,
             "rows_selected": int(self.counters.get("rows_selected")),
