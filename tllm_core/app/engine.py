@@ -336,12 +336,10 @@ class TllmLLM:
             # The one check of request keys the server also runs: before anything generates.
             validate_extra_args(sp.extra_args, self.consumers, where="extra_args", tags=True)
             sp = sp.clone()
-            extra = dict(sp.extra_args or {})
-            extra.setdefault("tllm_prompt_index", i)
-            extra[SAMPLES_KEY] = sp.n
-            sp.extra_args = extra
+            # A prompt index the caller set is kept; the sample count is always this n.
+            sp.extra_args = {"tllm_prompt_index": i, **(sp.extra_args or {}), SAMPLES_KEY: sp.n}
             tagged.append(sp)
-            salts.append(request_salt(extra, can_change_kv=edits))
+            salts.append(request_salt(sp.extra_args, can_change_kv=edits))
         try:
             with self._naming_a_dead_engine():
                 if chat:
