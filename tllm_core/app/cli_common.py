@@ -21,8 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from tllm_core.api.request_settings import RESULTS_KEY, allowed, error_words
+from tllm_core.app import default_model
 from tllm_core.app.defaults import DEFAULT_DTYPE, KV_ENV, kv_cache_gib
-from tllm_core.app.progress import say
+from tllm_core.app.progress import RunProgress, say
+from tllm_core.app.report_html import check_out_dir, write_report
+from tllm_core.app.stop import exit_code
+from tllm_core.app.summary import count_text, run_line, summarize
+from tllm_core.runtime.reports import json_safe
 from tllm_core.runtime.settings import RuntimeSettings
 
 EXIT_ENGINE_DIED = 3  # a process of the engine died during the command (engine_watch)
@@ -433,16 +438,11 @@ def generate_with(
     """Start the engine with ``consumers``, generate for the prompts of ``args``, close;
     return (prompts, texts per prompt and sample, report). Ctrl-C makes the report partial
     (``report["run"]["interrupted"]``, unfinished samples None)."""
-    from tllm_core.app import default_model
     from tllm_core.app.engine import TllmLLM, validate_consumers
-    from tllm_core.app.progress import RunProgress
-    from tllm_core.app.summary import run_line
     from tllm_core.vllm_bridge.engine_watch import EngineDiedError
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
     if getattr(args, "report", None) is not None:  # before the engine starts, not after
-        from tllm_core.app.report_html import check_out_dir
-
         check_out_dir(args.report)
     model = local_model(args.model)
     texts_in = prompts(args)
@@ -549,13 +549,9 @@ def print_report(
     counters: bool = False,
 ) -> None:
     """Completions as text (or one JSON), then errors and the run's summary on stderr."""
-    from tllm_core.app.summary import count_text, summarize
-
     for e in report.get("errors", []):  # with --json too: stdout is then the JSON only
         print(f"ERROR: {e['error']}", file=sys.stderr)
     if as_json:
-        from tllm_core.runtime.reports import json_safe
-
         # Strict JSON: a NaN or infinite figure is written as a string, not as bare NaN.
         text = json.dumps(json_safe(json_report(texts, report)), default=str, allow_nan=False)
         print(text, flush=True)
@@ -588,8 +584,6 @@ def show(
     """Print and write what :func:`generate_with` returned; returns the exit status."""
     print_report(prompts, texts, report, args.json, counters=getattr(args, "counters", False))
     if getattr(args, "report", None) is not None:
-        from tllm_core.app.report_html import write_report
-
         run = {"prompts": prompts, **json_report(texts, report)}
         try:
             say(f"report: {write_report(run, args.report)}")
@@ -601,7 +595,5 @@ def show(
 def exit_status(report: dict[str, Any]) -> int:
     """128 + the signal when interrupted (130: Ctrl-C), 1 when a consumer failed, else 0."""
     if report.get("run", {}).get("interrupted"):
-        from tllm_core.app.stop import exit_code
-
         return exit_code(130)
     return 1 if report.get("errors") else 0

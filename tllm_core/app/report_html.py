@@ -15,6 +15,7 @@ from typing import Any
 from tllm_core.api.plots import Plot
 from tllm_core.app.progress import say
 from tllm_core.app.summary import Lookup, call_consumer, count_text, registry_lookup, summarize
+from tllm_core.runtime.reports import json_safe
 
 CSS = """
 body { font: 15px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1200px;
@@ -135,8 +136,6 @@ def check_out_dir(out_dir: Path) -> None:
 
 def write_report(run: dict[str, Any], out_dir: Path) -> Path:
     """Write the report of ``run`` into ``out_dir`` (created); returns the page's path."""
-    from tllm_core.runtime.reports import json_safe
-
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
