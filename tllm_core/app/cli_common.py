@@ -27,8 +27,11 @@ from tllm_core.app.progress import RunProgress, say
 from tllm_core.app.report_html import check_out_dir, write_report
 from tllm_core.app.stop import exit_code
 from tllm_core.app.summary import count_text, run_line, summarize
+from tllm_core.runtime.model_config import read_model_config
 from tllm_core.runtime.reports import json_safe
 from tllm_core.runtime.settings import RuntimeSettings
+from tllm_core.vllm_bridge.errors import vllm_value_errors
+from tllm_core.vllm_bridge.quiet import install_if_quiet, quiet_env
 
 EXIT_ENGINE_DIED = 3  # a process of the engine died during the command (engine_watch)
 # Engine start times of the embedded model on an idle 2-core machine (docs/getting-started.md).
@@ -49,8 +52,6 @@ def local_model(model: str | None) -> str | None:
         return None
     if not Path(model).is_dir():
         raise CliError(f"--model must be a local model folder; {model!r} is not a directory")
-    from tllm_core.runtime.model_config import read_model_config
-
     read_model_config(model, "--model")  # readable JSON with the sizes tllm needs, or exit 2
     return model
 
@@ -273,8 +274,6 @@ def sampling(args: argparse.Namespace):
     """``SamplingParams`` from the sampling options (vLLM's checks; ours ran before)."""
     from vllm import SamplingParams
 
-    from tllm_core.vllm_bridge.errors import vllm_value_errors
-
     # The options of add_generation_args that are SamplingParams fields of the same name.
     names = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos")
     try:
@@ -285,8 +284,6 @@ def sampling(args: argparse.Namespace):
 
 def quiet(args: argparse.Namespace) -> None:
     """Quiet logs and warnings unless ``-v``; call it first, before vLLM loads."""
-    from tllm_core.vllm_bridge.quiet import install_if_quiet, quiet_env
-
     for k, v in quiet_env(bool(getattr(args, "verbose", False))).items():
         if k in ("PYTHONWARNINGS", "TLLM_QUIET"):
             os.environ[k] = v
