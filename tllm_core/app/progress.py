@@ -44,12 +44,13 @@ class RunProgress:
         if args:  # an iterable to wrap: vLLM's chat rendering
             return tqdm(args[0], disable=True)
         kwargs.update(desc="generating", unit="seq", file=sys.stderr)
-        self.bar = _Bar(**kwargs)
-        self.bar.extra = self.extra
+        bar = _Bar(**kwargs)
+        bar.extra = self.extra
+        self.bar = bar
         if self.extra is not None and self._thread is None:
             self._thread = threading.Thread(target=self._refresh, daemon=True)
             self._thread.start()
-        return self.bar
+        return bar
 
     def _refresh(self) -> None:
         while not self._stop.wait(1.0):
