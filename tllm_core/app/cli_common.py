@@ -21,9 +21,17 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from tllm_core.api.request_settings import RESULTS_KEY, allowed, error_words
+from tllm_core.app import default_model
 from tllm_core.app.defaults import DEFAULT_DTYPE, KV_ENV, kv_cache_gib
-from tllm_core.app.progress import say
+from tllm_core.app.progress import RunProgress, say
+from tllm_core.app.report_html import check_out_dir, write_report
+from tllm_core.app.stop import exit_code
+from tllm_core.app.summary import count_text, run_line, summarize
+from tllm_core.runtime.model_config import read_model_config
+from tllm_core.runtime.reports import json_safe
 from tllm_core.runtime.settings import RuntimeSettings
+from tllm_core.vllm_bridge.errors import vllm_value_errors
+from tllm_core.vllm_bridge.quiet import install_if_quiet, quiet_env
 
 EXIT_ENGINE_DIED = 3  # a process of the engine died during the command (engine_watch)
 # Engine start times of the embedded model on an idle 2-core machine (docs/getting-started.md).
@@ -44,8 +52,6 @@ def local_model(model: str | None) -> str | None:
         return None
     if not Path(model).is_dir():
         raise CliError(f"--model must be a local model folder; {model!r} is not a directory")
-    from tllm_core.runtime.model_config import read_model_config
-
     read_model_config(model, "--model")  # readable JSON with the sizes tllm needs, or exit 2
     return model
 
@@ -268,8 +274,6 @@ def sampling(args: argparse.Namespace):
     """``SamplingParams`` from the sampling options (vLLM's checks; ours ran before)."""
     from vllm import SamplingParams
 
-    from tllm_core.vllm_bridge.errors import vllm_value_errors
-
     # The options of add_generation_args that are SamplingParams fields of the same name.
     names = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos")
     try:
@@ -280,8 +284,6 @@ def sampling(args: argparse.Namespace):
 
 def quiet(args: argparse.Namespace) -> None:
     """Quiet logs and warnings unless ``-v``; call it first, before vLLM loads."""
-    from tllm_core.vllm_bridge.quiet import install_if_quiet, quiet_env
-
     for k, v in quiet_env(bool(getattr(args, "verbose", False))).items():
         if k in ("PYTHONWARNINGS", "TLLM_QUIET"):
             os.environ[k] = v
@@ -428,22 +430,16 @@ def _outputs(
 def generate_with(
     args: argparse.Namespace,
     consumers: ConsumersArg,
-    extra_engine: dict | None = None,
     status: Callable[[], str] | None = None,
 ) -> tuple[list[str], list[list[str | None]], dict[str, Any]]:
     """Start the engine with ``consumers``, generate for the prompts of ``args``, close;
     return (prompts, texts per prompt and sample, report). Ctrl-C makes the report partial
     (``report["run"]["interrupted"]``, unfinished samples None)."""
-    from tllm_core.app import default_model
     from tllm_core.app.engine import TllmLLM, validate_consumers
-    from tllm_core.app.progress import RunProgress
-    from tllm_core.app.summary import run_line
     from tllm_core.vllm_bridge.engine_watch import EngineDiedError
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
     if getattr(args, "report", None) is not None:  # before the engine starts, not after
-        from tllm_core.app.report_html import check_out_dir
-
         check_out_dir(args.report)
     model = local_model(args.model)
     texts_in = prompts(args)
@@ -481,7 +477,6 @@ def generate_with(
         raise_on_disabled=False,
         callback_deadline_s=getattr(args, "callback_deadline", None),
         **engine_kwargs(args),
-        **(extra_engine or {}),
     )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
@@ -551,13 +546,9 @@ def print_report(
     counters: bool = False,
 ) -> None:
     """Completions as text (or one JSON), then errors and the run's summary on stderr."""
-    from tllm_core.app.summary import count_text, summarize
-
     for e in report.get("errors", []):  # with --json too: stdout is then the JSON only
         print(f"ERROR: {e['error']}", file=sys.stderr)
     if as_json:
-        from tllm_core.runtime.reports import json_safe
-
         # Strict JSON: a NaN or infinite figure is written as a string, not as bare NaN.
         text = json.dumps(json_safe(json_report(texts, report)), default=str, allow_nan=False)
         print(text, flush=True)
@@ -590,8 +581,6 @@ def show(
     """Print and write what :func:`generate_with` returned; returns the exit status."""
     print_report(prompts, texts, report, args.json, counters=getattr(args, "counters", False))
     if getattr(args, "report", None) is not None:
-        from tllm_core.app.report_html import write_report
-
         run = {"prompts": prompts, **json_report(texts, report)}
         try:
             say(f"report: {write_report(run, args.report)}")
@@ -603,7 +592,5 @@ def show(
 def exit_status(report: dict[str, Any]) -> int:
     """128 + the signal when interrupted (130: Ctrl-C), 1 when a consumer failed, else 0."""
     if report.get("run", {}).get("interrupted"):
-        from tllm_core.app.stop import exit_code
-
         return exit_code(130)
     return 1 if report.get("errors") else 0

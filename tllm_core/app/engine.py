@@ -1,10 +1,5 @@
-"""User-facing engine: vLLM's ``LLM`` with tllm consumers, and their counters afterwards.
-
-from tllm_core import TllmLLM
-llm = TllmLLM("path/to/model", consumers=["stats", 'esamp:{"beta": 0.5}'])
-outputs = llm.generate(["Once upon a time"], SamplingParams(n=4, max_tokens=32))
-report = llm.collect()      # {"runtime": {...}, "consumers": {...}, "results": {...}}
-"""
+"""User-facing engine: vLLM's ``LLM`` with tllm consumers, and their counters afterwards
+(README.md shows its use)."""
 
 from __future__ import annotations
 
@@ -197,7 +192,8 @@ class TllmLLM:
             background_deadline_s=background_deadline_s,
             close_deadline_s=close_deadline_s,
         )
-        if ADDITIONAL_CONFIG_KEY in (llm_kwargs.get("additional_config") or {}):  # else lost
+        additional = dict(llm_kwargs.pop("additional_config", None) or {})
+        if ADDITIONAL_CONFIG_KEY in additional:  # else lost
             raise ValueError(
                 f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set by TllmLLM from its "
                 "consumers and settings arguments; give them there"
@@ -221,7 +217,6 @@ class TllmLLM:
         self._fault_note = NoteFile("tllm-fault-")  # a hung callback's report (watchdog.py)
         # Removed with this object (or at exit) when no one calls close or shutdown.
         weakref.finalize(self, self._fault_note.close)
-        additional = dict(llm_kwargs.pop("additional_config", None) or {})
         import psutil  # vLLM's dependency
 
         sent: dict[str, Any] = {"start_error_file": note.path, "fault_file": self._fault_note.path}
@@ -279,7 +274,7 @@ class TllmLLM:
         with self._naming_a_dead_engine():
             statuses = self.llm.collective_rpc("tllm_status")
         status = next((s for s in statuses if s.get("rank", {}).get("leader", True)), None)
-        if not statuses or not all(s.get("installed") for s in statuses) or status is None:
+        if status is None or not all(s.get("installed") for s in statuses):
             raise UnsupportedEngineError(
                 "the tllm runtime was not installed in the engine: is the package installed "
                 "(its vllm.general_plugins entry point 'tllm' must be visible) and not "
@@ -302,10 +297,8 @@ class TllmLLM:
             death = self._watch.wait_for_death(DEATH_NOTICE_S if vllm_says_dead else 0.0)
             if death is None:
                 raise
-            if isinstance(e, ConsumerHungError):
-                error: EngineDiedError = e
-            else:
-                error = self._death_error(death, e if isinstance(e, EngineDiedError) else None)
+            known = e if isinstance(e, EngineDiedError) else None
+            error = e if isinstance(e, ConsumerHungError) else self._death_error(death, known)
             self._died = self._died or error  # the cause shutdown tells (tllm_run_failed)
             if error is e:
                 raise
@@ -343,12 +336,10 @@ class TllmLLM:
             # The one check of request keys the server also runs: before anything generates.
             validate_extra_args(sp.extra_args, self.consumers, where="extra_args", tags=True)
             sp = sp.clone()
-            extra = dict(sp.extra_args or {})
-            extra.setdefault("tllm_prompt_index", i)
-            extra[SAMPLES_KEY] = sp.n
-            sp.extra_args = extra
+            # A prompt index the caller set is kept; the sample count is always this n.
+            sp.extra_args = {"tllm_prompt_index": i, **(sp.extra_args or {}), SAMPLES_KEY: sp.n}
             tagged.append(sp)
-            salts.append(request_salt(extra, can_change_kv=edits))
+            salts.append(request_salt(sp.extra_args, can_change_kv=edits))
         try:
             with self._naming_a_dead_engine():
                 if chat:

@@ -15,6 +15,7 @@ from typing import Any
 from tllm_core.api.plots import Plot
 from tllm_core.app.progress import say
 from tllm_core.app.summary import Lookup, call_consumer, count_text, registry_lookup, summarize
+from tllm_core.runtime.reports import json_safe
 
 CSS = """
 body { font: 15px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1200px;
@@ -49,9 +50,8 @@ def read_run(path: Path) -> dict[str, Any]:
         raise ValueError(
             f"{path} is not JSON ({e}); give the output of `tllm run --json`"
         ) from None
-    counters, outputs = (
-        (run.get("counters"), run.get("outputs")) if isinstance(run, dict) else ((), ())
-    )
+    fields = run if isinstance(run, dict) else {}
+    counters, outputs = fields.get("counters"), fields.get("outputs")
     texts = isinstance(outputs, list) and all(
         isinstance(o, list) and all(t is None or isinstance(t, str) for t in o) for o in outputs
     )
@@ -134,14 +134,12 @@ def check_out_dir(out_dir: Path) -> None:
         ) from None
 
 
-def write_report(run: dict[str, Any], out_dir: Path, lookup: Lookup | None = None) -> Path:
+def write_report(run: dict[str, Any], out_dir: Path) -> Path:
     """Write the report of ``run`` into ``out_dir`` (created); returns the page's path."""
-    from tllm_core.runtime.reports import json_safe
-
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lookup = lookup or registry_lookup()
+    lookup = registry_lookup()
     run_json = out_dir / "run.json"
     text = json.dumps(json_safe(run), default=str, allow_nan=False, indent=1)
     if not (run_json.exists() and run_json.read_text() == text):

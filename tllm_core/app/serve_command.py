@@ -103,8 +103,7 @@ def listen_host(args: argparse.Namespace) -> str:
 
 
 def listen_port(args: argparse.Namespace) -> int:
-    """The port the server listens on: ``--port``, or one given after ``--`` (vLLM's, which
-    wins), checked as ``--port`` is."""
+    """The port the server listens on, found and checked as :func:`listen_host` does the address."""
     return _flag(args.vllm_args or [], ("--port",), cli_common.PORT, args.port)
 
 
