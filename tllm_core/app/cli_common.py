@@ -430,6 +430,7 @@ def _outputs(
 def generate_with(
     args: argparse.Namespace,
     consumers: ConsumersArg,
+    extra_engine: dict | None = None,
     status: Callable[[], str] | None = None,
 ) -> tuple[list[str], list[list[str | None]], dict[str, Any]]:
     """Start the engine with ``consumers``, generate for the prompts of ``args``, close;
@@ -477,6 +478,7 @@ def generate_with(
         raise_on_disabled=False,
         callback_deadline_s=getattr(args, "callback_deadline", None),
         **engine_kwargs(args),
+        **(extra_engine or {}),
     )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
