@@ -232,6 +232,59 @@ async def _raise(e: Exception) -> None:
     raise e
 
 
+def test_a_rank_error_leaves_no_answer_for_the_next_call():
+    """vLLM's ``collective_rpc`` reads the ranks' answers in rank order and raises at the first
+    error, leaving the later ranks' answers queued: the next call would read them as its own
+    (a stale error, then each rank a call behind). So a tllm method that raises answers its
+    error as a value; every rank's answer is read and the caller raises it."""
+    from collections import deque
+
+    from tllm_core.vllm_bridge import serving
+    from tllm_core.vllm_bridge.errors import EngineCallFailed
+    from tllm_core.vllm_bridge.worker_ext import TllmWorkerExtension
+
+    class Runtime:
+        calls = 0
+
+        def collect(self):
+            self.calls += 1
+            return {"call": self.calls}
+
+        def take_results(self, ids, wait_s):
+            raise RuntimeError(f"no results for {ids}")
+
+    class Worker(TllmWorkerExtension):
+        def __init__(self, rank):
+            hooks = SimpleNamespace(runtime=Runtime(), rank=SimpleNamespace(as_dict=lambda: rank))
+            self.model_runner = SimpleNamespace(_tllm_hooks=hooks)
+
+    class Executor:  # vLLM's MultiprocExecutor.collective_rpc, one response queue per rank
+        def __init__(self):
+            self.workers = [Worker(0), Worker(1)]
+            self.queues = [deque(), deque()]
+
+        async def collective_rpc(self, method, timeout=None, args=()):
+            for w, q in zip(self.workers, self.queues, strict=True):
+                try:
+                    q.append((True, getattr(w, method)(*args)))
+                except Exception as e:  # noqa: BLE001 - as WorkerProc answers it
+                    q.append((False, str(e)))
+            answers = []
+            for q in self.queues:
+                ok, answer = q.popleft()
+                if not ok:
+                    raise Exception(f"Worker failed with error '{answer}'")
+                answers.append(answer)
+            return answers
+
+    engine = Executor()
+    with pytest.raises(EngineCallFailed, match="tllm_take_results: RuntimeError: no results"):
+        asyncio.run(serving.rpc_all(engine, "tllm_take_results", ["r1"], 0.0))
+    assert [len(q) for q in engine.queues] == [0, 0]
+    got = asyncio.run(serving.rpc_all(engine, "tllm_collect"))
+    assert got == [{"call": 1, "rank": 0}, {"call": 1, "rank": 1}]
+
+
 def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):
     """vLLM balances each request and each of its n children alone; tllm's server sends a
     group (a request's samples, a client's ``tllm_group``) to the engine its first went to

@@ -201,3 +201,29 @@ def test_tp2_window_and_results_with_the_completion(even_model, tmp_path):
                 rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4
             )
             np.testing.assert_array_equal(rows[key], rec.hidden[key].numpy())
+
+
+@pytest.mark.slow  # ~30 s: one TP=2 engine (the default suite has the fake executor's test)
+def test_tp2_a_failed_tllm_call_leaves_no_answer_for_the_next(even_model):
+    """vLLM's ``collective_rpc`` raises at the first rank's error and leaves the other ranks'
+    answers queued; the next call would read them as its own. Every rank answers a failed tllm
+    call (``worker_ext.checked``), so the calls after it get their own answers."""
+    from vllm import SamplingParams
+
+    from tllm_core.app.engine import TllmLLM
+    from tllm_core.vllm_bridge.errors import EngineCallFailed
+
+    llm = TllmLLM(even_model, ["stats"], **TP_KW)
+    try:
+        for _ in range(2):  # a wait of "soon" fails float() on every rank
+            with pytest.raises(EngineCallFailed, match="tllm_take_results: ValueError"):
+                llm._workers("tllm_take_results", ["r1"], "soon")
+        ranks = [a["rank"]["tp_rank"] for a in llm._workers("tllm_collect")]
+        assert ranks == [0, 1]
+        params = SamplingParams(n=2, max_tokens=4, seed=1, temperature=1.0)
+        outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        rep = llm.close()
+        rows = sum(len(o.prompt_token_ids) + len(c.token_ids) - 1 for o in outs for c in o.outputs)
+        assert rep["runtime"]["rows_seen"] == rows
+    finally:
+        llm.shutdown()

@@ -37,6 +37,7 @@ from tllm_core.vllm_bridge.parallel import bind_cpu_threads
 from tllm_core.vllm_bridge.plugin import pid_space
 from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
+from tllm_core.vllm_bridge.worker_ext import checked
 
 log = logging.getLogger("tllm")
 
@@ -272,7 +273,7 @@ class TllmLLM:
 
     def _installed_status(self) -> dict[str, Any]:
         with self._naming_a_dead_engine():
-            statuses = self.llm.collective_rpc("tllm_status")
+            statuses = self._workers("tllm_status")
         status = next((s for s in statuses if s.get("rank", {}).get("leader", True)), None)
         if status is None or not all(s.get("installed") for s in statuses):
             raise UnsupportedEngineError(
@@ -284,7 +285,11 @@ class TllmLLM:
 
     def _rpc(self, method: str) -> Any:  # every rank's report, merged (docs/scaling.md)
         with self._naming_a_dead_engine():
-            return merge_reports(self.llm.collective_rpc(method))
+            return merge_reports(self._workers(method))
+
+    def _workers(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's answer to a tllm call; a rank's error raises ``EngineCallFailed``."""
+        return checked(self.llm.collective_rpc(method, args=args))
 
     @contextlib.contextmanager
     def _naming_a_dead_engine(self):
@@ -353,15 +358,15 @@ class TllmLLM:
             with contextlib.suppress(Exception):
                 ids = unfinished_ids(self.llm)
                 # First mark them (their records then say "not finished"), then abort.
-                self.llm.collective_rpc("tllm_mark_aborted", args=(ids,))
+                self._workers("tllm_mark_aborted", ids)
             with contextlib.suppress(Exception):
                 abort_unfinished(self.llm, ids)
             with contextlib.suppress(Exception):
-                self.llm.collective_rpc("tllm_end_batch")
+                self._workers("tllm_end_batch")
             raise
         # generate() is synchronous: every request of this call is done.
         with self._naming_a_dead_engine():
-            ends = self.llm.collective_rpc("tllm_end_batch")
+            ends = self._workers("tllm_end_batch")
             if any(asked_results(sp.extra_args) for sp in tagged):
                 self._attach_results(outputs, tagged)
         errors = [e for r in ends for e in (r or [])]
@@ -372,7 +377,7 @@ class TllmLLM:
         """Set ``completion.tllm`` on each completion of a request that asked for results."""
         ids = [str(o.request_id) for o in outputs]
         wait = self.settings.results_wait_s
-        got = merge_taken(self.llm.collective_rpc("tllm_take_results", args=(ids, wait)))
+        got = merge_taken(self._workers("tllm_take_results", ids, wait))
         for out, sp in zip(outputs, params, strict=True):
             asked = asked_results(sp.extra_args)
             if not asked:

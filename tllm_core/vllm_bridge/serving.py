@@ -59,6 +59,7 @@ from tllm_core.vllm_bridge.request_marks import (
 )
 from tllm_core.vllm_bridge.server_entry import close_http_soon
 from tllm_core.vllm_bridge.version import require_attrs
+from tllm_core.vllm_bridge.worker_ext import checked
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")
@@ -254,12 +255,14 @@ async def _rpc_all(
         if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
             # bounded: every caller bounds rpc_all (ask, answered, wait_for)
             per_engine = await call_all("collective_rpc", method, timeout, args, None)
-            return [r for rs in per_engine for r in rs]
-        kw = {} if timeout is None else {"timeout": timeout}
-        # bounded: as above
-        return list(await engine_client.collective_rpc(method, args=args, **kw))
+            answers = [r for rs in per_engine for r in rs]
+        else:
+            kw = {} if timeout is None else {"timeout": timeout}
+            # bounded: as above
+            answers = list(await engine_client.collective_rpc(method, args=args, **kw))
     except Exception as e:  # vLLM raises the failed call's text as a plain Exception
         raise EngineCallFailed(str(e)) from e
+    return checked(answers)
 
 
 async def answered(timeout: float, engine_client: Any, method: str, *args: Any) -> list[Any]:

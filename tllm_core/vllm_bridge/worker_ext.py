@@ -5,25 +5,48 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from tllm_core.vllm_bridge.engine_settings import tllm_settings
+from tllm_core.vllm_bridge.errors import EngineCallFailed
 from tllm_core.vllm_bridge.nodes import NODE_CHECK_TIMEOUT_S, NodeWatch, join_leader, node_check
+
+logger = logging.getLogger("vllm.tllm")  # through vLLM's handler in the worker's log
+
+# A rank's error, answered as a value: vLLM's collective_rpc raises at the first rank's error
+# and leaves the other ranks' answers queued, to be read as the next call's.
+FAILED_KEY = "tllm_call_failed"
 
 
 def _with_hooks(default: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Run the method with the runner's hooks; answer (a copy of) ``default`` without them."""
+    """Run the method with the runner's hooks; answer (a copy of) ``default`` without them,
+    and ``{FAILED_KEY: error}`` where it raised (:func:`checked` raises it on the caller's side)."""
 
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def rpc(self: Any, *args: Any, **kwargs: Any) -> Any:
             hooks = getattr(getattr(self, "model_runner", None), "_tllm_hooks", None)
-            return copy.copy(default) if hooks is None else method(self, hooks, *args, **kwargs)
+            if hooks is None:
+                return copy.copy(default)
+            try:
+                return method(self, hooks, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - answered, so that every rank answers
+                logger.exception("tllm: %s failed in this worker", method.__name__)
+                return {FAILED_KEY: f"{method.__name__}: {type(e).__name__}: {e}"}
 
         return rpc
 
     return wrap
+
+
+def checked(answers: list[Any]) -> list[Any]:
+    """Every rank's answer to a tllm call, or :class:`EngineCallFailed` with the first error."""
+    for a in answers:
+        if isinstance(a, dict) and FAILED_KEY in a:
+            raise EngineCallFailed(f"a worker failed: {a[FAILED_KEY]}")
+    return answers
 
 
 class TllmWorkerExtension:
