@@ -77,6 +77,7 @@ class ExportReader:
     """An export directory: manifest, request table and shards (other formats subclass it)."""
 
     format_name = fmt.FORMAT_NAME
+    format_version = fmt.FORMAT_VERSION
     tensor_name = staticmethod(fmt.hidden_tensor_name)  # shard tensor name of a manifest key
 
     def __init__(self, path: str | os.PathLike, verify: bool = False):
@@ -100,10 +101,10 @@ class ExportReader:
         if not isinstance(self.manifest, dict) or self.manifest.get("format") != self.format_name:
             raise ExportFormatError(f"{mpath!r} is not a {self.format_name} manifest")
         version = self.manifest.get("version")
-        if version not in range(1, fmt.FORMAT_VERSION + 1):
+        if version not in range(1, self.format_version + 1):
             raise ExportFormatError(
                 f"{mpath!r} has format version {version!r}; this reader reads versions 1 to "
-                f"{fmt.FORMAT_VERSION}"
+                f"{self.format_version}"
             )
         try:  # a manifest cut by hand or by another writer: name the file, not a KeyError
             self.keys: list[str] = list(self.manifest["keys"])
@@ -121,6 +122,7 @@ class ExportReader:
         except (LookupError, TypeError) as e:  # the manifest's part of the table
             raise ExportFormatError(f"{mpath!r} lacks a field or has a bad one: {e!r}") from None
         self.complete: bool = bool(self.manifest.get("complete", False))
+        self.verify = verify
         self._unverified = set(range(len(self.shards))) if verify else set()  # hashed once each
         if not self.complete:
             warnings.warn(

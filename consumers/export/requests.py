@@ -83,7 +83,8 @@ def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
 
 
 def sampled_tokens(bundle: Any) -> tuple[list[RequestInfo], np.ndarray, np.ndarray] | None:
-    """A bundle's ``(requests, positions one past their rows', sampled ids)``, or None."""
+    """A bundle's sampled tokens as ``(requests, positions, token ids)`` (each position one
+    past its row's), or None."""
     srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
     if srows is None or ids is None or not len(srows):
         return None

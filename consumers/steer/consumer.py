@@ -286,8 +286,8 @@ class SteerConsumer(Consumer):
             elif sc is None or np.all(sc[idx] == sc[idx[0]]):
                 plan.add(v.layer, idx, v.times(v.entry.scale if sc is None else float(sc[idx[0]])))
             else:  # per-row values: made (and on a GPU copied) every step
-                s = torch.from_numpy(sc[idx].astype(np.float32)).to(v.vector.device)
-                plan.add(v.layer, idx, s[:, None] * v.vector)
+                row_scales = torch.from_numpy(sc[idx].astype(np.float32)).to(v.vector.device)
+                plan.add(v.layer, idx, row_scales[:, None] * v.vector)
         for layer, sel in per_layer.items():
             self.counters.add("rows_selected", len(sel), of=f"layer.{layer}")
 

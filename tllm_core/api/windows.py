@@ -70,7 +70,8 @@ class Window(Selector):
         return cls(region, values[0], values[1], 1 if values[2] is None else values[2])
 
     def __str__(self) -> str:
-        a, b = ("" if v is None else v for v in (self.start, self.stop))
+        a = "" if self.start is None else str(self.start)
+        b = "" if self.stop is None else str(self.stop)
         k = "" if self.step == 1 else f":{self.step}"
         return f"{self.region}[{a}:{b}{k}]"
 

@@ -285,10 +285,11 @@ class Bus:
         if self.results is None or not request.wants_result(name):
             return
         made: list[Any] = []
-        make = c.request_result
-        if not self.call(
-            c, "request_result", lambda: made.append(make(request)), requests=acted, kind=kind
-        ):
+
+        def make() -> None:
+            made.append(c.request_result(request))
+
+        if not self.call(c, "request_result", make, requests=acted, kind=kind):
             what = "is switched off" if name in self.disabled else "raised while making this result"
             made.append({"error": f"consumer {name!r} {what} (see the run's errors)"})
         self.results.put(request, name, made[0])
