@@ -648,7 +648,7 @@ def test_one_prefix_cache_salt_for_the_server_and_tllmllm():
             self.seen = prompts
             return prompts
 
-        def collective_rpc(self, method):
+        def collective_rpc(self, method, args=()):
             return []
 
     from tllm_core.vllm_bridge.engine_watch import EngineWatch

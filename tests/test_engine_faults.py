@@ -716,7 +716,7 @@ def test_a_tllmllm_whose_engine_lacks_the_runtime_stops_that_engine(tiny_model, 
         def __init__(self, **kwargs):
             self.llm_engine = None
 
-        def collective_rpc(self, method):
+        def collective_rpc(self, method, args=()):
             return [{"installed": False}]
 
     monkeypatch.setattr(vllm, "LLM", Started)
