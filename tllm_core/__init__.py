@@ -11,7 +11,7 @@ from tllm_core.lazy import lazy_exports
 if TYPE_CHECKING:
     from tllm_core.api.architectures import ArchitectureSpec, SiteSpec
     from tllm_core.api.bundles import Bundle, GuideView
-    from tllm_core.api.candidates import GuideBuffers
+    from tllm_core.api.candidates import Candidates, GuideBuffers, TopCandidates
     from tllm_core.api.consumer import (
         Consumer,
         ConsumerConfig,

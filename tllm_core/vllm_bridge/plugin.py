@@ -124,7 +124,7 @@ def _stop_without(pid: int, gone: bool = False) -> None:
     threading.Thread(target=watch, args=(command,), name="tllm-command", daemon=True).start()
 
 
-@hookimpl  # the tllm plugin (tllm_core.plugins.loader registers this module)
+@hookimpl  # tllm's own `vllm-bridge` entry point (pyproject.toml) registers this module
 def tllm_architectures() -> list[object]:
     """vLLM's decoder families and the built-in tap sites (``layouts.py``)."""
     from tllm_core.vllm_bridge.layouts import ARCHITECTURES
