@@ -809,8 +809,8 @@ def test_the_server_middleware_adds_results_to_json_and_streams():
     assert last["id"] == "chatcmpl-9" and last["choices"] == []
     assert [e["stats"] for e in last["tllm"]] == [{"v": 0}, {"v": 1}]
 
-    async def empty(method, ids):  # stats of a request with no rows: an empty result
-        return [{"r": {"0": {"stats": {}}}}]
+    async def empty(ids):  # stats of a request with no rows: an empty result
+        return [{"r": {"0": {"stats": {}}}, "other": {"0": {"stats": {}}}}]
 
     got = asyncio.run(rr.gather_results(empty, {"r": (["stats"], 1)}, wait_s=0.05))
     assert got == [{"index": 0, "stats": {}}]  # a result, not "no result within"
@@ -818,6 +818,103 @@ def test_the_server_middleware_adds_results_to_json_and_streams():
     taken.clear()  # a request that did not ask: its response goes out as it was
     _, out = _asgi(app_for([""], body, False), path="/v1/completions")
     assert out == body and taken == []
+
+
+def test_a_stream_whose_text_holds_the_end_marker_gets_its_results_at_its_end():
+    """``data: [DONE]`` inside an event's JSON (an echoed prompt, generated text) is text, not
+    the stream's end: the results event goes before the real end, every event stays JSON."""
+    from tllm_core.vllm_bridge import request_marks as rr
+
+    async def ask(method, ids):
+        return [{i: {"0": {"stats": {"v": 1}}} for i in ids}]
+
+    text = {"id": "cmpl-1", "choices": [{"index": 0, "text": "say data: [DONE] now"}]}
+    chunks = [b"data: " + json.dumps(text).encode() + b"\n\n", b"data: [DONE]\n\n"]
+
+    async def app(scope, receive, send):
+        req = type("R", (), {"external_req_id": "s-0", "request_id": "s-0"})
+        req.sampling_params = type("P", (), {"n": 1})()
+        rr.note_request(req, {"tllm_results": "stats"})
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for i, chunk in enumerate(chunks):
+            more = i < len(chunks) - 1
+            await send({"type": "http.response.body", "body": chunk, "more_body": more})
+
+    middleware = rr.ResultReturn(app, ("/v1/completions",), ask=lambda: ask, wait_s=1.0)
+    _, out = _asgi(middleware, path="/v1/completions")
+    events = [e[6:] for e in out.decode().split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 3, out
+    assert json.loads(events[0]) == text
+    assert json.loads(events[1])["tllm"] == [{"index": 0, "stats": {"v": 1}}]
+
+
+def test_results_a_response_did_not_take_are_discarded_before_its_id_is_free():
+    """A result left in the engine would go to the next request of the same caller id (a
+    retry, another client guessing it): a response that did not take all of its results (one
+    late, a failed response) discards them, with the engine ids, before its caller ids are
+    free again; a response that took all sends no discard."""
+    from tllm_core.vllm_bridge import request_marks as rr
+
+    made = {"ok-0": {"0": {"stats": {"v": 1}}}}  # "late-0" has none yet
+    calls: list[tuple] = []
+    seen_in_flight: list[bool] = []
+
+    async def ask(method, ids):
+        assert method == "tllm_take_results"
+        return [{i: made[i] for i in ids if i in made}]
+
+    def app_for(rid: str, status: int = 200):
+        async def app(scope, receive, send):
+            req = type("R", (), {"external_req_id": rid, "request_id": f"{rid}-engine"})
+            req.sampling_params = type("P", (), {"n": 1})()
+            rr.note_request(req, {"tllm_results": "stats"})
+            headers = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            body = json.dumps({"id": "cmpl", "choices": [{"index": 0}]}).encode()
+            await send({"type": "http.response.body", "body": body})
+
+        async def discard(ids, engines):
+            seen_in_flight.append(all(i in rr_app.in_flight for i in ids))
+            calls.append((list(ids), list(engines)))
+
+        rr_app = rr.ResultReturn(
+            app, ("/v1/completions",), ask=lambda: ask, wait_s=0.05, discard=discard
+        )
+        return rr_app
+
+    for rid, status in [("ok-0", 200), ("late-0", 200), ("failed-0", 500)]:
+        rr_app = app_for(rid, status)
+        _asgi(rr_app, path="/v1/completions")
+        assert rr_app.in_flight == {}
+    assert calls == [(["late-0"], ["late-0-engine"]), (["failed-0"], ["failed-0-engine"])]
+    assert seen_in_flight == [True, True]
+
+
+def test_responses_reading_their_results_at_once_share_the_rpcs():
+    """Twenty responses read their results together: the reads made while one RPC is in flight
+    share the next (each RPC stops the engine between two steps), and each response gets its
+    own results, not another's."""
+    import asyncio
+
+    from tllm_core.vllm_bridge import request_marks as rr
+
+    sent: list[list[str]] = []
+
+    async def ask(method, ids):
+        assert method == "tllm_take_results"
+        sent.append(list(ids))
+        await asyncio.sleep(0.01)
+        return [{i: {"0": {"stats": {"id": i}}} for i in ids}, {}]  # rank 1: nothing
+
+    async def main():
+        takes = rr.IdBatches(ask, "tllm_take_results")
+        reads = [rr.gather_results(takes.call, {f"r{i}": (["stats"], 1)}, 5.0) for i in range(20)]
+        return await asyncio.wait_for(asyncio.gather(*reads), 10)
+
+    got = asyncio.run(main())
+    assert got == [[{"index": 0, "stats": {"id": f"r{i}"}}] for i in range(20)]
+    assert len(sent) == 1 and sorted(sum(sent, [])) == sorted(f"r{i}" for i in range(20))
 
 
 def test_results_dropped_from_a_full_store_say_so_at_once():

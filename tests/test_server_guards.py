@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import traceback
+import weakref
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -45,22 +47,31 @@ class FakeApp:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
+class Message(dict):
+    """An ASGI message that can be watched (weakref) for how long it is kept."""
+
+    __slots__ = ("__weakref__",)
+    __hash__ = object.__hash__  # by identity, for a WeakSet
+
+
 class Chunks:
-    """A fake ``receive``: the body in the given pieces, counting the calls."""
+    """A fake ``receive``: the body in the given pieces, counting the calls and the most
+    messages it gave that were still alive at once."""
 
     def __init__(self, pieces: list[bytes]):
         self.pieces = list(pieces)
         self.calls = 0
+        self.alive: weakref.WeakSet = weakref.WeakSet()
+        self.most_alive = 0
 
     async def __call__(self):
         self.calls += 1
         assert self.calls <= len(self.pieces), "receive called past the end of the body"
         i = self.calls - 1
-        return {
-            "type": "http.request",
-            "body": self.pieces[i],
-            "more_body": i + 1 < len(self.pieces),
-        }
+        msg = Message(type="http.request", body=self.pieces[i], more_body=i + 1 < len(self.pieces))
+        self.alive.add(msg)
+        self.most_alive = max(self.most_alive, len(self.alive))
+        return msg
 
 
 @contextlib.contextmanager
@@ -150,6 +161,8 @@ def test_many_tiny_chunks_are_read_once_and_replayed_whole(engine):
     status, _ = _call(mw, receive)
     assert status == 200 and app.body == good and receive.calls == len(good)
     assert Piece.appended == 0  # joined once, never grown chunk by chunk
+    # Its messages are not kept: each is a dict many times its byte (~200 bytes per byte).
+    assert receive.most_alive <= 2, receive.most_alive
     bad = good.replace(b'"tllm_esamp_beta": 0.5', b'"tllm_esamp_beta": 1e39')
     status, body = _call(XargsCheck(FakeApp(), engine), Chunks(_pieces(bad, 1)))
     assert status == 400 and "float32" in json.loads(body)["error"]["message"]
@@ -499,6 +512,12 @@ def test_a_failed_read_fails_every_request_that_waited_for_it():
     waited, reads = asyncio.run(scenario())
     assert all(isinstance(w, TimeoutError) for w in waited)
     assert reads == 2  # one for the six that waited together, one for the later one
+    # Each waiter raises its own copy: one shared exception's traceback would grow by every
+    # waiter's frames, and each logs it (hundreds of waiters: a log quadratic in them).
+    assert len({id(w) for w in waited}) == 5 and all(
+        w.__cause__ is waited[0].__cause__ for w in waited
+    )
+    assert len({len(traceback.extract_tb(w.__traceback__)) for w in waited}) == 1
 
 
 def test_counters_reads_are_shared_and_never_older_than_the_request():
@@ -650,9 +669,10 @@ def test_aborted_requests_are_marked_cut_short_before_the_abort():
 
 
 def test_many_aborts_at_once_share_their_mark_rpcs_and_each_is_marked_before_its_abort():
-    """Fifty clients gone at once: the aborts made while a mark RPC is in flight share the
-    next one (two RPCs, not fifty), each request is marked before its own abort, and a mark
-    that fails reaches every abort of its batch (each still aborts)."""
+    """Fifty clients gone at once: the aborts made before a mark RPC is sent, or while one is
+    in flight, share it or the next (here one RPC, not fifty), each request is marked before
+    its own abort, and a mark that fails reaches every abort of its batch (each still
+    aborts)."""
     from types import SimpleNamespace
 
     from tllm_core.vllm_bridge.request_marks import install_abort_marks
@@ -686,59 +706,60 @@ def test_many_aborts_at_once_share_their_mark_rpcs_and_each_is_marked_before_its
     install_abort_marks(client, ask)
     asyncio.run(gone(50, "r"))
     assert sorted(aborted) == sorted(f"r{i}" for i in range(50)) and late == []
-    assert len(rpcs) == 2 and sorted(sum(rpcs, [])) == sorted(aborted), rpcs
+    assert len(rpcs) == 1 and sorted(sum(rpcs, [])) == sorted(aborted), rpcs
     rpcs.clear()
     aborted.clear()
     failing.append(RuntimeError("engine core gone"))
     with _records("vllm.tllm") as records:
         asyncio.run(gone(5, "x"))
-    assert sorted(aborted) == [f"x{i}" for i in range(5)] and len(rpcs) == 2
+    assert sorted(aborted) == [f"x{i}" for i in range(5)] and len(rpcs) == 1
     said = [r for r in records if "could not mark aborted requests" in r.getMessage()]
     assert len(said) == 5, [r.getMessage() for r in records]
 
 
 async def _batch_behind_one_in_flight(joining: str):
-    """A MarkBatches with ``["a"]`` in flight (its RPC 0.05 s), ``["b"]`` opening the next batch
-    and one abort per letter of ``joining`` joined to it: (sent ids per RPC, marks, the tasks
-    in flight, opener, joiners)."""
-    from tllm_core.vllm_bridge.request_marks import MarkBatches
+    """An IdBatches with ``["a"]`` in flight (its RPC 0.05 s), ``["b"]`` opening the next batch
+    and one caller per letter of ``joining`` joined to it: (sent ids per RPC, batches, the
+    tasks in flight, opener, joiners). Each RPC answers the ids it carried."""
+    from tllm_core.vllm_bridge.request_marks import IdBatches
 
     sent: list[list[str]] = []
 
     async def ask(method, ids):
         sent.append(list(ids))
         await asyncio.sleep(0.05)
+        return [{i: method for i in ids}]
 
-    marks = MarkBatches(ask)
-    first = asyncio.ensure_future(marks.mark(["a"]))  # in flight
+    batches = IdBatches(ask, "tllm_mark_cut_short")
+    first = asyncio.ensure_future(batches.call(["a"]))  # in flight
     await asyncio.sleep(0)
-    opener = asyncio.ensure_future(marks.mark(["b"]))  # opens the next batch, waits
+    opener = asyncio.ensure_future(batches.call(["b"]))  # opens the next batch, waits
     await asyncio.sleep(0)
-    joiners = [asyncio.ensure_future(marks.mark([x])) for x in joining]  # join it
+    joiners = [asyncio.ensure_future(batches.call([x])) for x in joining]  # join it
     await asyncio.sleep(0)
-    return sent, marks, first, opener, joiners
+    return sent, batches, first, opener, joiners
 
 
-def test_a_mark_batch_whose_sender_is_cancelled_leaves_no_caller_waiting():
-    """The abort that opened the next batch is cancelled while it waits for the RPC in flight:
-    the aborts that joined it hear so at once (and then abort), later ones get a batch of
-    their own; nothing waits for a batch that will never be sent."""
+def test_a_batch_whose_opener_is_cancelled_is_still_sent_for_the_others():
+    """The caller that opened the next batch is cancelled while it waits for the RPC in
+    flight (its client gone): the batch is still sent, with its ids, and the callers that
+    joined it get its answer; later ones get a batch of their own."""
 
     async def main():
-        sent, marks, first, opener, (joiner,) = await _batch_behind_one_in_flight("c")
+        sent, batches, first, opener, (joiner,) = await _batch_behind_one_in_flight("c")
         opener.cancel()
-        with pytest.raises(RuntimeError, match=r"marking \['b', 'c'\] cut short was cancelled"):
-            await asyncio.wait_for(joiner, 5)
+        answer = [{"b": "tllm_mark_cut_short", "c": "tllm_mark_cut_short"}]
+        assert await asyncio.wait_for(joiner, 5) == answer
         await asyncio.wait_for(first, 5)
-        await asyncio.wait_for(marks.mark(["d"]), 5)
+        await asyncio.wait_for(batches.call(["d"]), 5)
         assert opener.cancelled()
         return sent
 
-    assert asyncio.run(main()) == [["a"], ["d"]]
+    assert asyncio.run(main()) == [["a"], ["b", "c"], ["d"]]
 
 
-def test_a_cancelled_joiner_of_a_mark_batch_leaves_the_batch_to_the_others():
-    """An abort that joined the next batch is cancelled (a server stopping): the batch is
+def test_a_cancelled_joiner_of_a_batch_leaves_the_batch_to_the_others():
+    """A caller that joined the next batch is cancelled (a server stopping): the batch is
     still sent, with its ids, and every other caller of it returns once it is answered."""
 
     async def main():
@@ -749,6 +770,32 @@ def test_a_cancelled_joiner_of_a_mark_batch_leaves_the_batch_to_the_others():
         return sent
 
     assert asyncio.run(main()) == [["a"], ["b", "c", "d"]]
+
+
+def test_a_failed_batch_tells_every_caller_and_the_next_batch_is_sent():
+    """An RPC that fails (the engine's error) raises in every caller of its batch; the batch
+    opened meanwhile still goes, and no error is left unretrieved."""
+    from tllm_core.vllm_bridge.request_marks import IdBatches
+
+    sent: list[list[str]] = []
+
+    async def ask(method, ids):
+        sent.append(list(ids))
+        await asyncio.sleep(0.02)
+        if "a" in ids:
+            raise RuntimeError("the engine failed")
+        return ids
+
+    async def main():
+        batches = IdBatches(ask, "tllm_take_results")
+        calls = [asyncio.ensure_future(batches.call(["a"]))]
+        await asyncio.sleep(0)
+        calls += [asyncio.ensure_future(batches.call([x])) for x in "bc"]
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+
+    got = asyncio.run(main())
+    assert isinstance(got[0], RuntimeError) and got[1:] == [["b", "c"], ["b", "c"]]
+    assert sent == [["a"], ["b", "c"]]
 
 
 def test_an_abort_happens_though_its_caller_is_cancelled_at_every_await():

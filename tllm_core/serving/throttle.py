@@ -5,6 +5,7 @@ fails every request that waited for it (a hung engine costs one wait, not one pe
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,7 +26,7 @@ class Throttle:
         arrived = time.monotonic()
         async with self._lock:
             if self._failed is not None and self._failed[0] >= arrived:
-                raise self._failed[1]  # failed while this request waited: not read again
+                raise _again(self._failed[1])  # failed while this request waited: not read again
             fresh = self._started >= arrived  # a read that began after this request did
             recent = time.monotonic() - self._started < self.min_interval_s
             if not (fresh or recent):
@@ -39,3 +40,14 @@ class Throttle:
                 self._started = started
                 self.reads += 1
             return self._value
+
+
+def _again(e: BaseException) -> BaseException:
+    """``e`` for one more waiter: a copy, chained to it, so that each raise does not add its
+    frames to one shared traceback (which every waiter then logs)."""
+    try:
+        again = copy.copy(e)
+    except Exception:  # noqa: BLE001 - an exception that cannot be rebuilt from its args
+        return e
+    again.__cause__ = e
+    return again

@@ -18,7 +18,7 @@ from tllm_core.api.results import PlannedRequest, asked_results, merge_taken, wi
 from tllm_core.runtime.request_results import STORE_RESULTS
 from tllm_core.serving.keys import EngineConsumers, result_bounds
 from tllm_core.serving.throttle import Throttle
-from tllm_core.vllm_bridge.errors import EngineNoAnswer
+from tllm_core.vllm_bridge.errors import EngineCallFailed, EngineNoAnswer
 
 log = logging.getLogger("vllm.tllm")
 
@@ -26,7 +26,8 @@ log = logging.getLogger("vllm.tllm")
 REQUEST_IDS: ContextVar[list[str] | None] = ContextVar("tllm_request_ids", default=None)
 FAILED_HEADER = b"x-tllm-failed"
 # The last event of an OpenAI stream; a stream's mark is an SSE comment line just before it.
-STREAM_END = b"data: [DONE]"
+# At a line's start only: a JSON event's text may hold these bytes (echo, generated text).
+STREAM_END = re.compile(rb"^data: \[DONE\]", re.MULTILINE)
 SSE = b"text/event-stream"
 
 Ask = Callable[[str, list[str] | None], Awaitable[list[Any]]]
@@ -71,9 +72,14 @@ def is_stream(start: dict) -> bool:
     return any(k.lower() == b"content-type" and SSE in v for k, v in start.get("headers", ()))
 
 
+def ends_stream(body: bytes) -> bool:
+    """Whether ``body`` holds a stream's ``data: [DONE]`` event."""
+    return STREAM_END.search(body) is not None
+
+
 def before_end(body: bytes, line: bytes) -> bytes:
     """A stream's last body with ``line`` just before its ``data: [DONE]``."""
-    at = body.index(STREAM_END)
+    at = STREAM_END.search(body).start()
     return body[:at] + line + body[at:]
 
 
@@ -132,6 +138,9 @@ class FailureMarks:
             known = await self.reads.get()  # bounded: until_server_stops' timeout, shared
         except ServerStopping:
             return []  # the response goes out unmarked: the engine is gone
+        except (EngineNoAnswer, EngineCallFailed) as e:  # the engine's: one line, as it says
+            log.warning("tllm: could not read which consumers failed on %s: %s", ids, e)
+            return []
         except Exception:  # noqa: BLE001 - the response goes out unmarked
             log.exception("tllm: could not read which consumers failed on %s", ids)
             return []
@@ -150,7 +159,7 @@ class FailureMarks:
                 if not stream and ids and (names := await self.failed(list(ids))):
                     header = (FAILED_HEADER, ",".join(names).encode())
                     msg = {**msg, "headers": [*msg.get("headers", ()), header]}
-            elif stream and ids and STREAM_END in (body := msg.get("body", b"")):
+            elif stream and ids and ends_stream(body := msg.get("body", b"")):
                 if names := await self.failed(list(ids)):
                     line = b": tllm-failed " + ",".join(names).encode() + b"\n\n"
                     msg = {**msg, "body": before_end(body, line)}
@@ -165,41 +174,43 @@ class FailureMarks:
 FRONT_END_ABORT: ContextVar[bool] = ContextVar("tllm_front_end_abort", default=False)
 
 
-class MarkBatches:
-    """Cut-short marks, one RPC to the workers at a time: the aborts made while one is in
-    flight (many clients gone at once) share the next, not one RPC each."""
+class IdBatches:
+    """Calls of one worker method on request ids, one RPC at a time: the ids given while one
+    is in flight (many clients gone, or many responses reading their results, at once) share
+    the next, and each caller gets that RPC's answer. Each RPC runs in a task of its own, so
+    a caller that stops waiting leaves its batch to the others."""
 
-    def __init__(self, ask: Ask) -> None:
-        self.ask = ask
-        self.open: tuple[list[str], asyncio.Future] | None = None  # the next RPC's ids
-        self.sending: asyncio.Future | None = None  # the RPC in flight: settled when answered
+    def __init__(self, ask: Ask, method: str) -> None:
+        self.ask, self.method = ask, method
+        self.open: tuple[list[str], asyncio.Future] | None = None  # the next RPC's ids, task
+        self.sending: asyncio.Future | None = None  # the RPC in flight
 
-    async def mark(self, request_ids: list[str]) -> None:
-        """Returns once the workers have marked ``request_ids``; raises as ``ask`` does."""
-        if self.open is not None:  # waiting for the RPC in flight: join it
-            self.open[0].extend(request_ids)
-            # Shielded: a cancelled joiner must not cancel the batch its other callers wait on.
-            return await asyncio.shield(self.open[1])
-        ids, done = list(request_ids), asyncio.get_running_loop().create_future()
-        self.open = (ids, done)
+    async def call(self, request_ids: list[str]) -> Any:
+        """The answer of the RPC that carried ``request_ids``; raises as ``ask`` does."""
+        if self.open is None:
+            ids: list[str] = []
+            task = asyncio.ensure_future(self._send(ids, self.sending))
+            task.add_done_callback(_retrieved)  # told to its callers, if any are left
+            self.open = (ids, task)
+        self.open[0].extend(request_ids)
+        # bounded: the batch's RPC is bounded as ask, and waits for one such RPC at most
+        return await asyncio.shield(self.open[1])
+
+    async def _send(self, ids: list[str], before: asyncio.Future | None) -> Any:
+        if before is not None:
+            await asyncio.wait([before])  # bounded as ask; its outcome is its callers'
+        me = asyncio.current_task()
+        self.open, self.sending = None, me  # from here on, new ids open the next batch
         try:
-            if self.sending is not None:
-                await asyncio.wait([self.sending])  # bounded as ask; its outcome is its callers'
-            self.open, self.sending = None, done
-            await self.ask("tllm_mark_cut_short", ids)
-            done.set_result(None)
-        except Exception as e:  # every caller of the batch hears it
-            done.set_exception(e)
-        except BaseException as e:  # this sender cancelled: its batch is not left waiting
-            if self.open is not None and self.open[1] is done:
-                self.open = None
-            done.set_exception(RuntimeError(f"marking {ids} cut short was cancelled"))
-            done.exception()  # told to the batch's other callers, if any
-            raise e
+            return await self.ask(self.method, list(dict.fromkeys(ids)))  # bounded: as ask
         finally:
-            if self.sending is done:
+            if self.sending is me:
                 self.sending = None
-        return await done
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def install_abort_marks(engine_client: Any, ask: Ask) -> None:
@@ -213,11 +224,11 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
             await abort_orig(*args, **kwargs)
 
     pending: set[asyncio.Future] = set()  # strong references: a bare task may be collected
-    marks = MarkBatches(ask)
+    marks = IdBatches(ask, "tllm_mark_cut_short")
 
     async def mark_then_abort(request_ids: list[str]) -> None:
         try:  # bounded: ask is serving.answered (engine_answer_s), twice at most
-            await marks.mark(request_ids)
+            await marks.call(request_ids)
         except EngineNoAnswer as e:  # a stopping or stuck engine: one line, no traceback
             log.warning("tllm: aborted requests %s not marked cut short: %s", request_ids, e)
         except Exception:  # noqa: BLE001 - the abort itself must still happen
@@ -254,8 +265,20 @@ RESULTS_IN_FLIGHT: ContextVar[dict[str, Any] | None] = ContextVar(
 )
 # The engine ids of the requests an HTTP request had admitted (a refused one's discard).
 ADMITTED: ContextVar[list[str] | None] = ContextVar("tllm_admitted", default=None)
-# Caller id -> the bytes its results can hold, of the requests admitted (check_bounds).
-HELD: ContextVar[dict[str, int] | None] = ContextVar("tllm_results_held", default=None)
+
+
+class Held(dict):
+    """Caller id -> the bytes its results can hold, of the requests admitted (check_bounds),
+    and their sum: one request may carry many prompts, each checked against it."""
+
+    total = 0
+
+    def admit(self, rid: str, nbytes: int) -> None:
+        self.total += nbytes - self.get(rid, 0)
+        self[rid] = nbytes
+
+
+HELD: ContextVar[Held | None] = ContextVar("tllm_results_held", default=None)
 # Why a prompt was refused: vLLM starts all prompts together, the later ones get this reason.
 REFUSED: ContextVar[list[str] | None] = ContextVar("tllm_results_refused", default=None)
 # vLLM's completion route runs prompt i of a request as "{request id}-{i}".
@@ -270,7 +293,7 @@ def check_bounds(
     server: EngineConsumers,
     limit: int,
     hidden_size: int,
-    held: dict[str, int] | None = None,
+    held: Held | None = None,
 ) -> str | None:
     """Why ``request`` must be refused (a result bounded past ``limit``, or its HTTP request's
     past the store), else None; ``held``: :data:`HELD` (this one is added when admitted)."""
@@ -290,7 +313,7 @@ def check_bounds(
     # All choices of all prompts ("{id}-{i}", checked one by one) wait in one store together.
     n = int(getattr(params, "n", None) or 1)
     mine = n * sum(bounds.values())
-    if (total := sum((held or {}).values()) + mine) > STORE_RESULTS * limit:
+    if (total := (held.total if held is not None else 0) + mine) > STORE_RESULTS * limit:
         what, fewer = f"{n} choices", "choices (n)"
         if held:  # the requests admitted before are aborted by vLLM with this one's error
             what, fewer = f"first {len(held) + 1} prompts x {n} choices", "prompts, choices (n)"
@@ -300,12 +323,19 @@ def check_bounds(
             f"({STORE_RESULTS} x max_result_bytes); ask for fewer {fewer} or rows"
         )
     if held is not None:
-        held[caller_id(request)] = mine
+        held.admit(caller_id(request), mine)
     return None
 
 
-async def gather_results(ask: Ask, asked: Asked, wait_s: float) -> list[dict[str, Any]]:
-    """The ``tllm`` entries of a response, read until all are there or ``wait_s`` passed."""
+async def gather_results(
+    take: Callable[[list[str]], Awaitable[list[Any]]],
+    asked: Asked,
+    wait_s: float,
+    complete: set[str] | None = None,
+) -> list[dict[str, Any]]:
+    """The ``tllm`` entries of a response, taken (``take(ids)``: every rank's
+    ``tllm_take_results``) until all are there or ``wait_s`` passed; ``complete`` gets the
+    caller ids whose every result was taken."""
     ids = list(asked)
     have: dict[str, dict[str, dict[str, Any]]] = {}
     loop = asyncio.get_running_loop()
@@ -316,7 +346,8 @@ async def gather_results(ask: Ask, asked: Asked, wait_s: float) -> list[dict[str
         return have.get(rid, {}).get(str(sample), {})
 
     while True:
-        merge_taken(await ask("tllm_take_results", ids), into=have)
+        answers = await take(ids)  # bounded: as ask; a batch's answers hold other ids too
+        merge_taken(({r: a[r] for r in ids if r in a} for a in answers if a), into=have)
         done = all(
             c in made(rid, s) for rid, (names, n) in asked.items() for s in range(n) for c in names
         )
@@ -326,6 +357,8 @@ async def gather_results(ask: Ask, asked: Asked, wait_s: float) -> list[dict[str
         pause = min(pause * 2, LAST_POLL_S)
     out = []
     for rid, (names, n) in asked.items():  # prompt i (id suffix -i) fills choices i*n .. i*n+n-1
+        if complete is not None and all(c in made(rid, s) for s in range(n) for c in names):
+            complete.add(rid)
         m = _PROMPT_SUFFIX.search(rid)
         first = int(m.group(1)) * n if (m and len(ids) > 1) else 0
         out += [{"index": first + s, **with_missing(names, made(rid, s), wait_s)} for s in range(n)]
@@ -349,13 +382,17 @@ class ResultReturn:
         self.in_flight: dict[str, Any] = {}  # RESULTS_IN_FLIGHT
         self.wait_s = wait_s
         self.discard = discard  # of the caller ids whose response failed
+        self.takes: IdBatches | None = None  # the responses' reads of their results
+        self._settling: set[asyncio.Future] = set()  # strong references to the discards
 
-    async def results(self, asked: Asked) -> list[dict[str, Any]]:
+    async def results(self, asked: Asked, complete: set[str]) -> list[dict[str, Any]]:
         ask = self.ask()
         try:
             if ask is None:
                 raise ServerStopping
-            return await gather_results(ask, dict(asked), self.wait_s)
+            if self.takes is None or self.takes.ask is not ask:
+                self.takes = IdBatches(ask, "tllm_take_results")
+            return await gather_results(self.takes.call, dict(asked), self.wait_s, complete)
         except ServerStopping:
             why = "the engine stopped before the results were read"
         except Exception as e:  # noqa: BLE001 - the completion still goes out
@@ -367,11 +404,12 @@ class ResultReturn:
         if scope["type"] != "http" or not scope["path"].endswith(self.paths):
             return await self.app(scope, receive, send)
         asked: Asked = {}
-        admitted: dict[str, int] = {}  # HELD: the prompts admitted, refused: REFUSED's why
+        admitted = Held()  # HELD: the prompts admitted, refused: REFUSED's why
         refused: list[str] = []
         held: dict[str, Any] = {}  # a non-streamed response: its start and body so far
         chunks: list[bytes] = []
         first_event: list[dict[str, Any]] = []  # a stream's first JSON event (id, model...)
+        complete: set[str] = set()  # the caller ids whose every result the response took
 
         async def with_results(msg: dict) -> None:
             if msg["type"] == "http.response.start":
@@ -384,13 +422,13 @@ class ResultReturn:
                 return await send(msg)
             is_body = msg["type"] == "http.response.body"
             if is_body and held.get("stream") and asked:
-                msg = await self._stream_event(msg, asked, first_event)
+                msg = await self._stream_event(msg, asked, first_event, complete)
             if not is_body or "start" not in held:
                 return await send(msg)
             chunks.append(msg.get("body", b""))
             if msg.get("more_body", False):
                 return None
-            body = await self._with_results(b"".join(chunks), asked)
+            body = await self._with_results(b"".join(chunks), asked, complete)
             start = held.pop("start")
             headers = [
                 (k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"
@@ -404,27 +442,43 @@ class ResultReturn:
             with bound(ASKED, asked), bound(HELD, admitted), bound(REFUSED, refused):
                 with bound(RESULTS_IN_FLIGHT, self.in_flight), bound(ADMITTED, engines):
                     await self.app(scope, receive, with_results)
-        finally:  # its caller ids are free again
+        finally:
+            # Left in the engine, a result would go to the next request of the same caller id
+            # (a retry, another client): what was not taken is discarded (a late or cut-short
+            # result, a failed or gone response; the prompts admitted before a refused one),
+            # in a task of its own (a gone client's handler is cancelled at each await).
+            leftover = [r for r in asked if r not in complete]
+            leftover += [r for r in admitted if refused and r not in asked]
+            settle = asyncio.ensure_future(self._settle(asked, leftover, engines))
+            self._settling.add(settle)
+            settle.add_done_callback(self._settling.discard)
+        await asyncio.shield(settle)  # bounded: ask's
+
+    async def _settle(self, asked: Asked, leftover: list[str], engines: list[str]) -> None:
+        """Discard what ``leftover`` (caller ids) left in the engine, then free ``asked``'s ids:
+        a request reusing one is refused until its discard is sent."""
+        try:
+            if leftover and self.discard:
+                await self.discard(leftover, engines)  # bounded: ask's
+        except Exception as e:  # noqa: BLE001 - the response is out; they expire instead
+            log.warning("tllm: results of %s not discarded: %r", sorted(leftover), e)
+        finally:
             for rid in [r for r, owner in self.in_flight.items() if owner is asked]:
                 del self.in_flight[rid]
-        # No response takes what the prompts admitted before a refused one made.
-        if refused and admitted and self.discard:
-            try:
-                await self.discard(list(admitted), engines)
-            except Exception as e:  # noqa: BLE001 - the response is out; they expire instead
-                log.warning("tllm: results of refused requests %s kept: %r", sorted(admitted), e)
 
-    async def _with_results(self, body: bytes, asked: dict) -> bytes:
+    async def _with_results(self, body: bytes, asked: dict, complete: set[str]) -> bytes:
         try:
             data = json.loads(body)
         except ValueError:
             return body  # not a completion: vLLM's own answer goes out as it is
         if not isinstance(data, dict) or "choices" not in data:
             return body
-        data["tllm"] = await self.results(asked)
+        data["tllm"] = await self.results(asked, complete)
         return json.dumps(data, separators=(",", ":")).encode()
 
-    async def _stream_event(self, msg: dict, asked: dict, first: list[dict[str, Any]]) -> dict:
+    async def _stream_event(
+        self, msg: dict, asked: dict, first: list[dict[str, Any]], complete: set[str]
+    ) -> dict:
         body = msg.get("body", b"")
         if not first:
             for line in body.split(b"\n"):
@@ -432,10 +486,10 @@ class ResultReturn:
                     with contextlib.suppress(ValueError):
                         first.append(json.loads(line[6:]))
                     break
-        if STREAM_END not in body:
+        if not ends_stream(body):
             return msg
         event = {k: v for k, v in (first[0] if first else {}).items() if k in _EVENT_FIELDS}
-        event.update({"choices": [], "tllm": await self.results(asked)})
+        event.update({"choices": [], "tllm": await self.results(asked, complete)})
         line = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
         return {**msg, "body": before_end(body, line)}
 

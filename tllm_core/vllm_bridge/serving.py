@@ -157,22 +157,24 @@ class XargsCheck:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             more = int(declared) <= DRAIN_FACTOR * self.max_body_bytes
             return await self.refuse(receive, send, more=more)
-        messages: deque = deque()
-        size = 0
+        # The body's bytes, not its messages: a body sent a byte at a time comes as one message
+        # per byte, each a dict many times its byte.
+        body, more, last = bytearray(), False, None  # last: a message after the body
         while True:
             msg = await receive()
-            messages.append(msg)
             if msg["type"] != "http.request":
+                last = msg
                 break
-            size += len(msg.get("body", b""))
-            if size > self.max_body_bytes:
-                return await self.refuse(receive, send, more=msg.get("more_body", False))
-            if not msg.get("more_body", False):
+            body.extend(msg.get("body", b""))
+            more = msg.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await self.refuse(receive, send, more=more)
+            if not more:
                 break
         # Every POST body is counted against the limit; only the OpenAI routes' are parsed.
         xargs, error = (None, None)
         if scope["path"].endswith(CHECKED_PATHS):
-            xargs, error = parse_xargs(b"".join(m.get("body", b"") for m in messages))
+            xargs, error = parse_xargs(bytes(body))
         if xargs is not None:
             error = check_xargs(xargs, self.server, scope["path"])
         if error is not None:
@@ -180,6 +182,10 @@ class XargsCheck:
             kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
             payload = _error_response(status, message, kind, "vllm_xargs")
             return await send_json(send, status, payload)
+
+        messages = deque([{"type": "http.request", "body": bytes(body), "more_body": more}])
+        if last is not None:
+            messages.append(last)
 
         async def replay():
             return messages.popleft() if messages else await receive()
@@ -192,8 +198,9 @@ class RpcBound:
     """On a multi-node engine's client (``init_state``): the engine core's wait for its workers'
     answers to every tllm call, in s. A hung node's ranks never answer; a core left waiting
     for them runs no step and cannot stop, so its workers are killed before they close their
-    consumers. The calls go one at a time (but ``CONCURRENT``): each queued in the core behind
-    a call waiting for a hung node would hold it as long again, past vLLM's stop. Past the
+    consumers. The calls go one at a time (the responses' results reads and cut-short marks
+    batched, ``request_marks.IdBatches``): each queued in the core behind a call waiting for a
+    hung node would hold it as long again, past vLLM's stop. Past the
     bound, ``on_timeout(reason)`` stops the server and no later call is sent: a late answer
     would be taken as the next call's."""
 
@@ -205,9 +212,6 @@ class RpcBound:
 
 
 RPC_BOUND_ATTR = "_tllm_rpc_bound"
-# One call per response asking for results: one at a time, each would wait for a step of the
-# engine. The others are one at a time already (node checks, throttled reads, batched marks).
-CONCURRENT = frozenset({"tllm_take_results"})
 
 
 async def rpc_all(
@@ -220,19 +224,16 @@ async def rpc_all(
     bound = getattr(engine_client, RPC_BOUND_ATTR, None)
     if bound is None:
         return await _rpc_all(engine_client, method, args, timeout)
-    turn = None if method in CONCURRENT else bound.one_at_a_time
-    if turn is not None:
-        await turn.acquire()  # bounded: each holder's call is (the engine core's timeout)
+    turn = bound.one_at_a_time
+    await turn.acquire()  # bounded: each holder's call is (the engine core's timeout)
     if bound.lost is not None:
-        if turn is not None:
-            turn.release()
+        turn.release()
         raise EngineLost(f"{method!r} not sent: {bound.lost}")
     timeout = bound.seconds if timeout is None else timeout
     call = asyncio.ensure_future(_rpc_all(engine_client, method, args, timeout))
 
     def ended(call: asyncio.Future) -> None:  # also when its caller gave up waiting
-        if turn is not None:  # the core is done with it: the next call may go
-            turn.release()
+        turn.release()  # the core is done with it: the next call may go
         e = None if call.cancelled() else call.exception()
         if e is None:
             return
