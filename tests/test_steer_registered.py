@@ -25,7 +25,7 @@ from consumers.steer.consumer import SteerConfig, SteerConsumer
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.edits import EditPlan
 from tllm_core.plugins.registry import Registry
-from tllm_core.serving.keys import EngineConsumers, validate_extra_args
+from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 
 KEY = "sekret"
 URL = "/tllm/consumers/steer/control"
@@ -104,11 +104,20 @@ def test_a_registered_vector_is_used_by_the_next_request_that_names_it():
     assert _steered(consumer) == {}  # a request that does not name it is not steered
     with pytest.raises(ValueError, match="no steering vector named 'happy'.*calm"):
         validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "happy"}, engine)
+    named = {"tllm_consumers": "steer", "tllm_steer_vectors": "calm=2"}
+    salt = request_salt(named, b"k" * 32, server=engine)
     r = client.post(URL, json={"action": "remove", "name": "calm"}, headers=AUTH)
     assert r.status_code == 200 and r.json()["reply"] == {"removed": "calm"}
     with pytest.raises(ValueError, match="no steering vector named 'calm'"):
         validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "calm"}, engine)
     assert _steered(consumer, tllm_steer_vectors="") == {}
+    # Another "calm": the prefix cache of requests that named the first one is not theirs.
+    w = torch.randn(H).tolist()
+    body = {"action": "add", "name": "calm", "layer": 1, "vector": w}
+    assert client.post(URL, json=body, headers=AUTH).status_code == 200
+    assert request_salt(named, b"k" * 32, server=engine) != salt
+    other = {"tllm_esamp_beta": 0.5}  # no key of a consumer whose config changed
+    assert request_salt(other, b"k" * 32, server=engine) == request_salt(other, b"k" * 32)
 
 
 def test_a_request_admitted_before_its_vector_was_removed_is_only_itself_unsteered():

@@ -63,6 +63,9 @@ class EngineConsumers:
     failed: set[str] = field(default_factory=set)
     # consumer name -> its class (control requests are checked by the class, in the front end)
     classes: dict[str, type] = field(default_factory=dict)
+    # consumer name -> how many control requests changed its config (a server's prefix-cache
+    # salts: a registered name may then stand for another vector)
+    controls: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_settings(
@@ -229,10 +232,15 @@ def result_bounds(request: PlannedRequest, engine: EngineConsumers) -> dict[str,
 
 
 def request_salt(
-    extra: dict[str, Any] | None, key: bytes | None = None, *, can_change_kv: bool = True
+    extra: dict[str, Any] | None,
+    key: bytes | None = None,
+    *,
+    can_change_kv: bool = True,
+    server: EngineConsumers | None = None,
 ) -> str | None:
     """The prefix-cache salt of a request whose tllm keys may change its KV (None: none); a
-    server's secret ``key`` makes it an HMAC no client's own ``cache_salt`` can equal."""
+    server's secret ``key`` makes it an HMAC no client's own ``cache_salt`` can equal;
+    ``server``: its consumers' configs as control requests changed them count too."""
     items = sorted(
         (k, str(v))
         for k, v in (extra or {}).items()
@@ -241,6 +249,9 @@ def request_salt(
     )
     if not items or not can_change_kv:
         return None
+    if server is not None and server.controls:
+        named = sorted({server.owners[k][0] for k, _ in items if k in server.owners})
+        items += [(f"{n}#controls", str(server.controls[n])) for n in named if n in server.controls]
     text = json.dumps(items).encode()
     if key is None:
         digest = hashlib.sha256(text).hexdigest()[:16]

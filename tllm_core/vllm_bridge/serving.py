@@ -362,6 +362,7 @@ def attach_routes(
                 )
             else:
                 server.configs[name] = new
+                server.controls[name] = server.controls.get(name, 0) + 1
         except Exception as e:  # the server stops, or the engine never answered
             unconfirmed[name] = action
             log.warning(
@@ -510,6 +511,7 @@ def attach_routes(
                 if failed is not None:
                     return _error(failed["error"], failed.get("status", 400))
                 server.configs[name] = new
+                server.controls[name] = server.controls.get(name, 0) + 1
         finally:
             if not handed_over:
                 control_lock.release()
@@ -555,7 +557,7 @@ def install_request_checks(
                 raise VLLMValidationError(why, parameter="vllm_xargs")
         assign_orig(request)
         note_request(request, extra)
-        salt = request_salt(extra, salt_key)
+        salt = request_salt(extra, salt_key, server=server)
         if salt is not None:
             old = request.cache_salt
             request.cache_salt = f"{old}|{salt}" if old else salt
