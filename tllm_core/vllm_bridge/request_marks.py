@@ -449,22 +449,30 @@ class ResultReturn:
             # in a task of its own (a gone client's handler is cancelled at each await).
             leftover = [r for r in asked if r not in complete]
             leftover += [r for r in admitted if refused and r not in asked]
-            settle = asyncio.ensure_future(self._settle(asked, leftover, engines))
-            self._settling.add(settle)
-            settle.add_done_callback(self._settling.discard)
-        await asyncio.shield(settle)  # bounded: ask's
+            settle = None
+            if leftover and self.discard:
+                settle = asyncio.ensure_future(self._settle(asked, leftover, engines))
+                self._settling.add(settle)
+                settle.add_done_callback(self._settling.discard)
+            else:
+                self._free(asked)
+        if settle is not None:
+            await asyncio.shield(settle)  # bounded: ask's
 
     async def _settle(self, asked: Asked, leftover: list[str], engines: list[str]) -> None:
         """Discard what ``leftover`` (caller ids) left in the engine, then free ``asked``'s ids:
         a request reusing one is refused until its discard is sent."""
         try:
-            if leftover and self.discard:
-                await self.discard(leftover, engines)  # bounded: ask's
+            await self.discard(leftover, engines)  # bounded: ask's
         except Exception as e:  # noqa: BLE001 - the response is out; they expire instead
             log.warning("tllm: results of %s not discarded: %r", sorted(leftover), e)
         finally:
-            for rid in [r for r, owner in self.in_flight.items() if owner is asked]:
-                del self.in_flight[rid]
+            self._free(asked)
+
+    def _free(self, asked: Asked) -> None:
+        """The caller ids of ``asked``'s HTTP request may ask for results again."""
+        for rid in [r for r, owner in self.in_flight.items() if owner is asked]:
+            del self.in_flight[rid]
 
     async def _with_results(self, body: bytes, asked: dict, complete: set[str]) -> bytes:
         try:
