@@ -105,16 +105,17 @@ def _disconnect_while_running(
 
 
 def _leave_while_running(
-    url: str, *args: Any, watch: Callable[[], Callable[[], bool | None]], tries: int = 3, **kw: Any
+    url: str, *args: Any, watch: Callable[[], Callable[[], bool | None]], tries: int = 5, **kw: Any
 ) -> None:
     """:func:`_disconnect_while_running` until the engine hears the client leave. ``watch()``,
     called before each try, returns that try's check: True once the leaving was heard, False
     once the request ran to its end, None while not known. On a starved machine a client may
     learn that its request runs only after it ended (vLLM's front end, busy with the
     request's queued outputs, sends the status read's answer late), so such a try is made
-    again."""
+    again, after a pause that grows (a busy moment of the machine may pass)."""
     ends = []
-    for _ in range(tries):
+    for attempt in range(tries):
+        time.sleep(attempt)
         heard = watch()
         left = _disconnect_while_running(url, *args, **kw)
         deadline = time.monotonic() + 60
