@@ -67,6 +67,12 @@ class EngineConsumers:
     # salts: a registered name may then stand for another vector)
     controls: dict[str, int] = field(default_factory=dict)
 
+    def control_applied(self, name: str, config: Any) -> None:
+        """The engine applied a control request to consumer ``name``: its config is now
+        ``config`` (and requests with its keys get new prefix-cache salts)."""
+        self.configs[name] = config
+        self.controls[name] = self.controls.get(name, 0) + 1
+
     @classmethod
     def from_settings(
         cls, raw: dict[str, Any] | RuntimeSettings, registry: Registry | None = None

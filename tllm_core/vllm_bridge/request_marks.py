@@ -348,17 +348,19 @@ async def gather_results(
     while True:
         answers = await take(ids)  # bounded: as ask; a batch's answers hold other ids too
         merge_taken(({r: a[r] for r in ids if r in a} for a in answers if a), into=have)
-        done = all(
-            c in made(rid, s) for rid, (names, n) in asked.items() for s in range(n) for c in names
-        )
-        if done or loop.time() >= deadline:
+        whole = {
+            rid
+            for rid, (names, n) in asked.items()
+            if all(c in made(rid, s) for s in range(n) for c in names)
+        }
+        if len(whole) == len(asked) or loop.time() >= deadline:
             break
         await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
         pause = min(pause * 2, LAST_POLL_S)
+    if complete is not None:
+        complete.update(whole)
     out = []
     for rid, (names, n) in asked.items():  # prompt i (id suffix -i) fills choices i*n .. i*n+n-1
-        if complete is not None and all(c in made(rid, s) for s in range(n) for c in names):
-            complete.add(rid)
         m = _PROMPT_SUFFIX.search(rid)
         first = int(m.group(1)) * n if (m and len(ids) > 1) else 0
         out += [{"index": first + s, **with_missing(names, made(rid, s), wait_s)} for s in range(n)]

@@ -159,22 +159,24 @@ class XargsCheck:
             return await self.refuse(receive, send, more=more)
         # The body's bytes, not its messages: a body sent a byte at a time comes as one message
         # per byte, each a dict many times its byte.
-        body, more, last = bytearray(), False, None  # last: a message after the body
+        read, more, last = bytearray(), False, None  # last: a message after the body
         while True:
             msg = await receive()
             if msg["type"] != "http.request":
                 last = msg
                 break
-            body.extend(msg.get("body", b""))
+            read.extend(msg.get("body", b""))
             more = msg.get("more_body", False)
-            if len(body) > self.max_body_bytes:
+            if len(read) > self.max_body_bytes:
                 return await self.refuse(receive, send, more=more)
             if not more:
                 break
+        body = bytes(read)  # parsed and replayed; the buffer freed before the app runs
+        del read
         # Every POST body is counted against the limit; only the OpenAI routes' are parsed.
         xargs, error = (None, None)
         if scope["path"].endswith(CHECKED_PATHS):
-            xargs, error = parse_xargs(bytes(body))
+            xargs, error = parse_xargs(body)
         if xargs is not None:
             error = check_xargs(xargs, self.server, scope["path"])
         if error is not None:
@@ -183,7 +185,7 @@ class XargsCheck:
             payload = _error_response(status, message, kind, "vllm_xargs")
             return await send_json(send, status, payload)
 
-        messages = deque([{"type": "http.request", "body": bytes(body), "more_body": more}])
+        messages = deque([{"type": "http.request", "body": body, "more_body": more}])
         if last is not None:
             messages.append(last)
 
@@ -361,8 +363,7 @@ def attach_routes(
                     "tllm: the engine refused %s %s after its 504: %s", name, action, refused
                 )
             else:
-                server.configs[name] = new
-                server.controls[name] = server.controls.get(name, 0) + 1
+                server.control_applied(name, new)
         except Exception as e:  # the server stops, or the engine never answered
             unconfirmed[name] = action
             log.warning(
@@ -510,8 +511,7 @@ def attach_routes(
                 failed = next((o for o in out if "error" in o), None)
                 if failed is not None:
                     return _error(failed["error"], failed.get("status", 400))
-                server.configs[name] = new
-                server.controls[name] = server.controls.get(name, 0) + 1
+                server.control_applied(name, new)
         finally:
             if not handed_over:
                 control_lock.release()
