@@ -215,7 +215,8 @@ def test_runtime_closes_a_failed_consumer():
 
 def test_failed_requests_name_their_consumers_and_stay_bounded(monkeypatch):
     """A consumer that raises on a bundle is noted against the requests of that bundle (the
-    server marks their responses); the record keeps the newest requests only."""
+    server marks their responses) by engine id, so that a caller id used again is not; the
+    record keeps the newest requests only."""
     import tllm_core.runtime.bus as bus_mod
 
     monkeypatch.setattr(bus_mod, "MAX_FAILED_REQUESTS", 3)
@@ -234,8 +235,10 @@ def test_failed_requests_name_their_consumers_and_stay_bounded(monkeypatch):
         rows = _rows(2)
         rows.requests = [req, req]
         bus.publish(c, Bundle(step, rows))
-    assert bus.failures_of(["r1", "r2", "r5", "r7", "r9"]) == {
-        "r5": ["picky"],
-        "r7": ["picky"],
-        "r9": ["picky"],
-    }
+    asked = [f"r{i}-abcdefgh" for i in (1, 2, 5, 7, 9)]
+    assert bus.failures_of(asked) == {f"r{i}-abcdefgh": ["picky"] for i in (5, 7, 9)}
+    again = RequestInfo("r9-zyxwvuts", "r9", 0, 0, 4)  # the caller's id, a new admission
+    rows = _rows(1)
+    rows.requests = [again]
+    bus.publish(c, Bundle(10, rows))
+    assert bus.failures_of(["r9-zyxwvuts"]) == {}

@@ -753,12 +753,16 @@ def test_the_server_middleware_adds_results_to_json_and_streams():
     from tllm_core.vllm_bridge import request_marks as rr
 
     taken: list[list[str]] = []
+    nan = float("nan")  # strict JSON has no such number: it goes out as "NaN"
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
 
     async def ask(method, ids):
         assert method == "tllm_take_results"
         taken.append(list(ids))
         return [
-            {"cmpl-1-0": {"0": {"stats": {"v": 0}}, "1": {"stats": {"v": 1}}}},
+            {"cmpl-1-0": {"0": {"stats": {"v": 0, "mean": nan}}, "1": {"stats": {"v": 1}}}},
             {"cmpl-1-1": {"0": {"stats": {"v": 2}}}},
         ]  # sample 1 of prompt 1: never
 
@@ -793,9 +797,10 @@ def test_the_server_middleware_adds_results_to_json_and_streams():
 
     body = json.dumps({"id": "cmpl-1", "choices": [{"index": i} for i in range(4)]}).encode()
     start, out = _asgi(app_for(["cmpl-1-0", "cmpl-1-1"], body, False), path="/v1/completions")
-    got = json.loads(out)
+    got = strict(out)
     assert dict(start["headers"])[b"content-length"] == str(len(out)).encode()
     assert [e["index"] for e in got["tllm"]] == [0, 1, 2, 3]
+    assert got["tllm"][0]["stats"]["mean"] == "NaN"
     assert [e["stats"].get("v") for e in got["tllm"][:3]] == [0, 1, 2]
     assert "no result within" in got["tllm"][3]["stats"]["error"]
     assert len(taken) > 1  # read again until the wait ran out
@@ -805,9 +810,9 @@ def test_the_server_middleware_adds_results_to_json_and_streams():
     _, out = _asgi(app_for(["cmpl-1-0"], stream, True))
     lines = [ln for ln in out.split(b"\n") if ln.startswith(b"data: ")]
     assert lines[-1] == b"data: [DONE]"
-    last = json.loads(lines[-2][6:])
+    last = strict(lines[-2][6:])
     assert last["id"] == "chatcmpl-9" and last["choices"] == []
-    assert [e["stats"] for e in last["tllm"]] == [{"v": 0}, {"v": 1}]
+    assert [e["stats"] for e in last["tllm"]] == [{"v": 0, "mean": "NaN"}, {"v": 1}]
 
     async def empty(ids):  # stats of a request with no rows: an empty result
         return [{"r": {"0": {"stats": {}}}, "other": {"0": {"stats": {}}}}]

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import traceback
+import uuid
 import weakref
 
 import pytest
@@ -341,10 +342,24 @@ def _app(engine, api_key, settings=None, errors=None, hung=False, fails=None):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from tllm_core.vllm_bridge.request_marks import REQUEST_IDS
+    from tllm_core.vllm_bridge.request_marks import note_request
     from tllm_core.vllm_bridge.serving import attach_routes
 
-    ran: list[str] = []  # caller ids of every request run, as the workers would know them
+    failed: list[str] = []  # engine ids (a sample's) of the requests a consumer failed on
+
+    def run(body):
+        """What vLLM's assign_request_id (wrapped) does per caller id in ``body["run"]``: a
+        unique engine id; the workers know a sample of ``n`` > 1 as ``"{i}_{engine id}"``. A
+        request fails when its caller id starts with "bad", or is in ``body["fail"]``."""
+        for rid in body.get("run", []):
+            engine_id, n = f"{rid}-{uuid.uuid4().hex[:8]}", body.get("n", 1)
+            params = SimpleNamespace(n=n)
+            note_request(
+                SimpleNamespace(request_id=engine_id, external_req_id=rid, sampling_params=params),
+                None,
+            )
+            if rid in body.get("fail", [r for r in body["run"] if r.startswith("bad")]):
+                failed.extend([f"{i}_{engine_id}" for i in range(n)] if n > 1 else [engine_id])
 
     class FakeEngineClient:
         failure_reads = 0
@@ -354,11 +369,11 @@ def _app(engine, api_key, settings=None, errors=None, hung=False, fails=None):
                 raise fails
             if method == "tllm_status":
                 return [{"installed": True, "rank": {"leader": True}}]
-            if method == "tllm_failed_requests":  # requests named "bad*" met a failing esamp
+            if method == "tllm_failed_requests":  # a failing esamp met these (run)
                 assert args == (None,)  # every failure the workers remember
                 FakeEngineClient.failure_reads += 1
                 await asyncio.sleep(0.05)  # a round trip to the engine
-                return [{r: ["esamp"] for r in ran if r.startswith("bad")}]
+                return [{r: ["esamp"] for r in failed}]
             if hung:
                 await asyncio.Event().wait()
             return [
@@ -384,14 +399,11 @@ def _app(engine, api_key, settings=None, errors=None, hung=False, fails=None):
 
             async def events():
                 yield b'data: {"text": "a"}\n\n'
-                REQUEST_IDS.get().extend(body.get("run", []))
-                ran.extend(body.get("run", []))
+                run(body)
                 yield b'data: {"text": "b"}\n\ndata: [DONE]\n\n'
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        if "run" in body:  # what vLLM's assign_request_id (wrapped) does per request it runs
-            REQUEST_IDS.get().extend(body["run"])
-            ran.extend(body["run"])
+        run(body)
         return {"ok": True}
 
     return TestClient(app)
@@ -872,6 +884,12 @@ def test_a_response_names_the_consumers_that_failed_on_its_requests(engine):
     assert streamed.text.endswith('"b"}\n\n: tllm-failed esamp\n\ndata: [DONE]\n\n'), streamed.text
     clean = client.post("/v1/completions", json={"prompt": "x", "stream": True, "run": ["ok-5"]})
     assert "tllm-failed" not in clean.text and clean.text.endswith("data: [DONE]\n\n")
+    # n > 1: the workers know the samples, the front end the request they fan out of.
+    fanned = client.post("/v1/completions", json={"prompt": "x", "run": ["bad-6"], "n": 3})
+    assert fanned.headers["x-tllm-failed"] == "esamp"
+    # A caller id used again is a new request: its failed namesake does not mark it.
+    again = client.post("/v1/completions", json={"prompt": "x", "run": ["bad-2"], "fail": []})
+    assert again.status_code == 200 and "x-tllm-failed" not in again.headers
 
 
 def test_responses_completing_together_share_one_read_of_the_failures(engine):

@@ -172,7 +172,8 @@ class Bus:
         self._reported: set[str] = set()  # consumers whose first error was logged
         self._fail_lock = threading.Lock()  # engine thread and background threads fail
         self._channels: dict[str, _BackgroundChannel] = {}
-        # Caller request id -> consumers that failed while acting on it (bounded, oldest out).
+        # Engine request id -> consumers that failed while acting on it (bounded, oldest out).
+        # vLLM's engine ids are unique per admission; a caller's id may be reused.
         self.failed_requests: OrderedDict[str, set[str]] = OrderedDict()
 
     def active(self, consumer: Consumer) -> bool:
@@ -227,8 +228,8 @@ class Bus:
             if off:
                 self.disabled.add(name)
             for r in requests:
-                self.failed_requests.setdefault(r.request_id, set()).add(name)
-                self.failed_requests.move_to_end(r.request_id)
+                self.failed_requests.setdefault(r.engine_id, set()).add(name)
+                self.failed_requests.move_to_end(r.engine_id)
             while len(self.failed_requests) > MAX_FAILED_REQUESTS:
                 self.failed_requests.popitem(last=False)
         if off:
@@ -244,11 +245,11 @@ class Bus:
             log.error("%s (%s)\n%s", msg, why, "".join(traceback.format_exception(e)))
             self.errors.append({"consumer": name, "where": what, "error": msg, "disabled": off})
 
-    def failures_of(self, request_ids: Iterable[str] | None = None) -> dict[str, list[str]]:
-        """The consumers that failed while acting on each of ``request_ids`` (None: all kept)."""
+    def failures_of(self, engine_ids: Iterable[str] | None = None) -> dict[str, list[str]]:
+        """The consumers that failed while acting on each of ``engine_ids`` (None: all kept)."""
         with self._fail_lock:
             known = self.failed_requests
-            ids = known if request_ids is None else [r for r in request_ids if r in known]
+            ids = known if engine_ids is None else [r for r in engine_ids if r in known]
             return {r: sorted(known[r]) for r in ids}
 
     def publish(self, consumer: Consumer, bundle: Bundle) -> None:

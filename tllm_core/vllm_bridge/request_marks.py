@@ -15,14 +15,16 @@ from contextvars import ContextVar
 from typing import Any
 
 from tllm_core.api.results import PlannedRequest, asked_results, merge_taken, with_missing
+from tllm_core.runtime.reports import json_safe
 from tllm_core.runtime.request_results import STORE_RESULTS
 from tllm_core.serving.keys import EngineConsumers, result_bounds
 from tllm_core.serving.throttle import Throttle
+from tllm_core.vllm_bridge.engine_ids import CHILD
 from tllm_core.vllm_bridge.errors import EngineCallFailed, EngineNoAnswer
 
 log = logging.getLogger("vllm.tllm")
 
-# Caller ids of the requests an HTTP request made vLLM run (set by FailureMarks; note_request).
+# Engine ids of the requests an HTTP request made vLLM run (set by FailureMarks; note_request).
 REQUEST_IDS: ContextVar[list[str] | None] = ContextVar("tllm_request_ids", default=None)
 FAILED_HEADER = b"x-tllm-failed"
 # The last event of an OpenAI stream; a stream's mark is an SSE comment line just before it.
@@ -89,11 +91,11 @@ def caller_id(request: Any) -> str:
 
 def note_request(request: Any, extra: dict[str, Any] | None) -> None:
     """Called once per request vLLM admits: note its caller id and the results it asks for."""
-    rid = caller_id(request)
+    rid, engine_id = caller_id(request), str(request.request_id)  # vLLM's engine id by now
     if (ids := REQUEST_IDS.get()) is not None:
-        ids.append(rid)
+        ids.append(engine_id)
     if (engines := ADMITTED.get()) is not None:
-        engines.append(str(request.request_id))  # vLLM's engine id by now
+        engines.append(engine_id)
     names = asked_results(extra) if extra else []
     if (asked := ASKED.get()) is not None and names:
         asked[rid] = (names, int(getattr(request.sampling_params, "n", 1) or 1))
@@ -126,11 +128,14 @@ class FailureMarks:
         self.reads = Throttle(self._read)
 
     async def _read(self) -> dict[str, set[str]]:
+        """Engine id as the front end knows it (a sample's: its parent's) -> failed consumers."""
         ask = self.ask()
         known: dict[str, set[str]] = {}
         for answer in [] if ask is None else await ask("tllm_failed_requests", None):
-            for request, names in (answer or {}).items():
-                known.setdefault(request, set()).update(names)
+            for engine_id, names in (answer or {}).items():
+                child = CHILD.match(engine_id)  # unsure without its n: both forms are kept
+                for key in (engine_id, child.group("rest")) if child else (engine_id,):
+                    known.setdefault(key, set()).update(names)
         return known
 
     async def failed(self, ids: list[str]) -> list[str]:
@@ -483,7 +488,7 @@ class ResultReturn:
             return body  # not a completion: vLLM's own answer goes out as it is
         if not isinstance(data, dict) or "choices" not in data:
             return body
-        data["tllm"] = await self.results(asked, complete)
+        data["tllm"] = json_safe(await self.results(asked, complete))  # strict JSON
         return json.dumps(data, separators=(",", ":")).encode()
 
     async def _stream_event(
@@ -499,7 +504,7 @@ class ResultReturn:
         if not ends_stream(body):
             return msg
         event = {k: v for k, v in (first[0] if first else {}).items() if k in _EVENT_FIELDS}
-        event.update({"choices": [], "tllm": await self.results(asked, complete)})
+        event.update({"choices": [], "tllm": json_safe(await self.results(asked, complete))})
         line = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
         return {**msg, "body": before_end(body, line)}
 

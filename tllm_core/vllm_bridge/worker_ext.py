@@ -72,10 +72,11 @@ class TllmWorkerExtension:
 
     @_with_hooks({})
     def tllm_failed_requests(
-        self, hooks: Any, request_ids: list[str] | None = None
+        self, hooks: Any, engine_ids: list[str] | None = None
     ) -> dict[str, list[str]]:
-        """The consumers that failed while acting on each of ``request_ids`` (None: all)."""
-        return hooks.runtime.bus.failures_of(request_ids)
+        """The consumers that failed while acting on each of ``engine_ids`` (vLLM's, one per
+        sample; None: all kept)."""
+        return hooks.runtime.bus.failures_of(engine_ids)
 
     @_with_hooks()
     def tllm_mark_cut_short(self, hooks: Any, engine_ids: list[str]) -> None:
