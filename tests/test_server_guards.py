@@ -629,6 +629,13 @@ def test_requests_naming_a_failed_consumer_get_503():
     refused = client.post("/v1/completions", json=named)
     assert refused.status_code == 503 and "'esamp' failed" in refused.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+    # A body the middleware cannot read (UTF-16 JSON, another route): refused at admission.
+    from vllm.exceptions import VLLMValidationError
+
+    admit = _admit(engine)
+    with pytest.raises(VLLMValidationError, match="'esamp' failed on this server"):
+        admit({"tllm_consumers": "esamp"})
+    assert admit({"tllm_consumers": "stats"}).request_id.startswith("r-rand")
 
 
 def test_aborted_requests_are_marked_cut_short_before_the_abort():

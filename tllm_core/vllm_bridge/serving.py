@@ -101,6 +101,17 @@ def parse_xargs(body: bytes) -> tuple[dict | None, tuple[int, str] | None]:
     return (xargs, None) if isinstance(xargs, dict) else (None, None)
 
 
+def failed_consumers_named(xargs: dict, server: EngineConsumers) -> str | None:
+    """Why a request naming a consumer switched off is refused, or None."""
+    if failed := server.failed_named(xargs):
+        return (
+            f"tllm: consumer {', '.join(map(repr, failed))} failed on this server and is "
+            f"switched off until it restarts (see GET {STATUS_PATH}); requests naming it are "
+            "refused rather than served without it"
+        )
+    return None
+
+
 def check_xargs(xargs: dict, server: EngineConsumers, path: str) -> tuple[int, str] | None:
     """(HTTP status, message) for ``vllm_xargs`` that must not reach vLLM, else None: 400 for
     bad ``tllm_*`` keys or results asked on ``path`` that has none, 503 for a failed consumer."""
@@ -108,13 +119,8 @@ def check_xargs(xargs: dict, server: EngineConsumers, path: str) -> tuple[int, s
         validate_extra_args(xargs, server)
     except ValueError as e:
         return 400, f"tllm: {e}"
-    failed = server.failed_named(xargs)
-    if failed:
-        return 503, (
-            f"tllm: consumer {', '.join(map(repr, failed))} failed on this server and is "
-            f"switched off until it restarts (see GET {STATUS_PATH}); requests naming it are "
-            "refused rather than served without it"
-        )
+    if why := failed_consumers_named(xargs, server):
+        return 503, why
     if RESULTS_KEY in xargs and path.endswith(NO_RESULTS):
         return 400, NO_RESULTS_ERROR
     return None
@@ -543,6 +549,9 @@ def install_request_checks(
                 validate_extra_args(extra, server)
             except ValueError as e:
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
+        # Again here: a body XargsCheck cannot read (UTF-16, another route) skipped its 503.
+        if extra and (why := failed_consumers_named(extra, server)):
+            raise VLLMValidationError(why, parameter="vllm_xargs")
         if extra and RESULTS_KEY in extra:
             if ASKED.get() is None:  # a route without results
                 raise VLLMValidationError(NO_RESULTS_ERROR, parameter="vllm_xargs")
