@@ -285,9 +285,9 @@ def test_a_rank_error_leaves_no_answer_for_the_next_call():
 
 def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):
     """vLLM balances each request and each of its n children alone; tllm's server sends a
-    group (a request's samples, a client's ``tllm_group``) to the engine its first went to
+    request's samples to the engine its first went to, a client's ``tllm_group`` to one engine
     (ESamp: one distiller per group), keeps a request's own ``data_parallel_rank``, leaves a
-    single-engine client alone, and forgets groups (least recently routed first)."""
+    single-engine client alone, and forgets aborted fan-outs (least recently routed first)."""
     from tllm_core.api.request_settings import GROUP_KEY, OWN_GROUP, SAMPLES_KEY
     from tllm_core.vllm_bridge import serving
 
@@ -331,18 +331,20 @@ def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):
     assert [route(r) for r in set_rank] == [b"e1"] * 4
     assert [r.data_parallel_rank for r in set_rank] == [1] * 4
     assert route.placed == {}  # every request's samples routed in full are forgotten
-    # A client's group: its requests (n = 1 or more) all follow its first, whatever vLLM says.
+    # A client's group: its requests (n = 1 or more) go to the engine its name hashes to,
+    # whatever vLLM says, in any API server process, however many groups there are.
     pooled = [req("p-1", n=1, group="client-x/g"), req("0_p-2", group="client-x/g")]
     pooled += [req(f"{i}_p-3", group="client-x/g") for i in range(3)]
-    assert route(req("q-1", n=1)) == b"e0"  # a request of its own: vLLM's choice
-    assert [route(r) for r in pooled] == [b"e1"] * 5
-    assert [route(req(f"r-{i}", n=1, group="client-y/g")) for i in range(3)] == [b"e0"] * 3
-    monkeypatch.setattr(serving, "MAX_GROUPS", 3)
-    route(req("0_gone-0"))
-    assert route(req("s-1", n=1, group="client-x/g")) == b"e1"  # routed last: kept
-    route(req("0_gone-1"))  # client-y/g, routed least recently, is dropped
-    assert list(route.placed) == ["request/gone-0", "client-x/g", "request/gone-1"]
-    for i in range(2, 10):  # fan-outs aborted after their first child: the oldest dropped
+    home = core.core_engines[serving.group_engine("client-x/g", 2)]
+    assert [route(r) for r in pooled] == [home] * 5
+    assert all(r.data_parallel_rank is None for r in pooled)
+    other = client().engine_core.get_core_engine_for_request
+    assert route(req("q-1", n=1, group="client-x/g")) == other(req("q-2", group="client-x/g"))
+    counts = [serving.group_engine(f"client-y/{i}", 2) for i in range(1000)]
+    assert 400 < counts.count(0) < 600  # spread over the engines
+    assert route.placed == {}  # nothing remembered for them
+    monkeypatch.setattr(serving, "MAX_FAN_OUTS", 3)
+    for i in range(10):  # fan-outs aborted after their first child: the oldest dropped
         route(req(f"0_gone-{i}"))
     assert list(route.placed) == [f"request/gone-{i}" for i in (7, 8, 9)]
     # An engine removed mid fan-out (elastic EP): the next sibling is balanced again.

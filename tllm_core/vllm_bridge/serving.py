@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import logging
 import secrets
@@ -577,13 +578,21 @@ def install_request_checks(
     input_processor.assign_request_id = assign_request_id
 
 
-MAX_GROUPS = 4096  # groups remembered (least recently routed dropped; aborted fan-outs age out)
+MAX_FAN_OUTS = 4096  # fan-outs being routed (least recently routed dropped: aborted ones)
+
+
+def group_engine(group: str, engines: int) -> int:
+    """The engine of a client's ``tllm_group``: a stable hash, the same in every API server
+    process and after a restart, and nothing to remember (any number of groups)."""
+    digest = hashlib.blake2b(group.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % engines
 
 
 def install_group_affinity(engine_client: Any) -> None:
     """Data parallel: the requests of one group go to one engine (vLLM balances each request
-    and each of its ``n`` samples alone): the group's first request goes where vLLM sends it,
-    the rest follow, so a group (ESamp: one distiller) lives in one engine (CONTRACT.md)."""
+    and each of its ``n`` samples alone), so a group (ESamp: one distiller) lives in one
+    engine (CONTRACT.md): a request's own samples follow the first, which vLLM balances; a
+    client's ``tllm_group`` goes to the engine :func:`group_engine` names."""
     core = engine_client.engine_core
     engines = getattr(core, "core_engines", None)
     if engine_client.vllm_config.parallel_config.data_parallel_size < 2 or (
@@ -592,34 +601,37 @@ def install_group_affinity(engine_client: Any) -> None:
         return  # one engine here (no DP, or an external balancer in front)
     require_attrs(core, ("core_engines", "get_core_engine_for_request"), "data-parallel client")
     route = core.get_core_engine_for_request
-    # group -> [engine index, samples left to route (a request's own group), else None]
+    # a request's own group -> [engine index, samples left to route]
     placed: OrderedDict[str, list] = OrderedDict()
+
+    def to_engine(request: Any, index: int) -> Any:
+        # vLLM's own path for a set rank: its in-flight books (aborts, load) stay right.
+        request.data_parallel_rank = index
+        try:
+            return route(request)
+        finally:
+            request.data_parallel_rank = None
 
     def get_core_engine_for_request(request: Any) -> Any:
         extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
         group, n = extra.get(GROUP_KEY), int(extra.get(SAMPLES_KEY) or 1)
         own = isinstance(group, str) and group.startswith(OWN_GROUP)
-        if group is None or (own and n < 2) or request.data_parallel_rank is not None:
+        if not isinstance(group, str) or (own and n < 2) or request.data_parallel_rank is not None:
             return route(request)
+        if not own:
+            return to_engine(request, group_engine(group, len(core.core_engines)))
         seen = placed.get(group)
         if seen is None or seen[0] >= len(core.core_engines):  # new, or its engine removed
             engine = route(request)
-            placed[group] = [core.core_engines.index(engine), n - 1 if own else None]
+            placed[group] = [core.core_engines.index(engine), n - 1]
             placed.move_to_end(group)
-            while len(placed) > MAX_GROUPS:
+            while len(placed) > MAX_FAN_OUTS:
                 placed.popitem(last=False)
             return engine
-        placed.move_to_end(group)
-        if own:
-            seen[1] -= 1
-            if seen[1] <= 0:  # a request's samples are all routed
-                del placed[group]
-        # vLLM's own path for a set rank: its in-flight books (aborts, load) stay right.
-        request.data_parallel_rank = seen[0]
-        try:
-            return route(request)
-        finally:
-            request.data_parallel_rank = None
+        seen[1] -= 1
+        if seen[1] <= 0:  # a request's samples are all routed
+            del placed[group]
+        return to_engine(request, seen[0])
 
     get_core_engine_for_request.placed = placed  # type: ignore[attr-defined] # for tests
     core.get_core_engine_for_request = get_core_engine_for_request
