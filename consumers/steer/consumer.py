@@ -85,6 +85,7 @@ class _Vec:
     vector: torch.Tensor
     transform: SteerTransform | None = None  # gated or clamping: decided inside the forward
     scaled: dict[float, torch.Tensor] = field(default_factory=dict)
+    largest: float = 0.0  # max |vector|: a scale past dtype max / largest overflows the edit
 
     def times(self, scale: float) -> torch.Tensor:
         """``vector * scale``, the same tensor for the same scale."""
@@ -224,10 +225,33 @@ class SteerConsumer(Consumer):
                 raise ValueError(f"steer: {what}.gate: the probe direction is all zeros")
             if entry.gate.normalize:
                 probe = probe / pnorm
+        largest = float(vec.abs().max())
+        if entry.mode == "add" and (why := self._overflow(entry.scale, largest)):
+            raise ValueError(f"steer: {what}: scale {why}")
         if entry.in_graph:
             with torch.inference_mode(False):
                 transform = SteerTransform(entry, vec.to(device), probe)
-        return _Vec(entry, layer, vec.to(device), transform)
+        return _Vec(entry, layer, vec.to(device), transform, largest=largest)
+
+    def _overflow(self, scale: float, largest: float) -> str | None:
+        """Why ``scale`` times a vector whose largest entry is ``largest`` is past the model's
+        dtype (the edited rows would be inf, then NaN), or None."""
+        dtype = self.context.model.dtype
+        top = torch.finfo(dtype).max if dtype.is_floating_point else float("inf")
+        if abs(scale) * largest <= top:
+            return None
+        return (
+            f"{scale:g} times the vector's largest entry {largest:g} is past {dtype}'s "
+            f"largest value {top:g}"
+        )
+
+    @staticmethod
+    def _scale_of(s: SteerRequest, v: _Vec) -> float | None:
+        """The scale request settings ``s`` give vector ``v`` in place of its own, or None."""
+        if v.entry.mode != "add" or v.transform is not None:
+            return None
+        scale = s.vectors.get(v.entry.name) if s.vectors is not None else None
+        return s.scale if scale is None else scale
 
     def writes(self) -> list[WritePort]:
         graph = {v.layer: v.transform for v in self.vectors if v.transform is not None}
@@ -245,7 +269,12 @@ class SteerConsumer(Consumer):
             if self.acts_on(req):
                 try:  # checked at admission; a vector removed since then fails here
                     state = req.settings(self)
+                    for v in self.vectors:  # the model's dtype is known here only
+                        scale = self._scale_of(state, v)
+                        if scale is not None and (why := self._overflow(scale, v.largest)):
+                            raise ValueError(f"vector {v.entry.name or '(unnamed)'}: scale {why}")
                 except ValueError as e:  # that request unsteered, the others as asked
+                    state = None
                     self.counters.add("invalid_request_settings")
                     log.warning("steer: request %r: %s; not steered", req.request_id, e)
             self._req_cache[req.engine_id] = state
@@ -267,9 +296,7 @@ class SteerConsumer(Consumer):
                 if s is None or (v.entry.name not in s.vectors if named else v.entry.registered):
                     masks[j][start:stop] = False
                     continue
-                scale = s.vectors.get(v.entry.name) if named else None
-                scale = s.scale if scale is None else scale
-                if scale is not None and v.entry.mode == "add" and v.transform is None:
+                if (scale := self._scale_of(s, v)) is not None:
                     if scales[j] is None:
                         scales[j] = np.full(n, v.entry.scale)
                     scales[j][start:stop] = scale  # type: ignore[index]
