@@ -34,6 +34,16 @@ SSE = b"text/event-stream"
 
 Ask = Callable[[str, list[str] | None], Awaitable[list[Any]]]
 Asked = dict[str, tuple[list[str], int]]  # caller id -> (consumers asked, n)
+
+
+class AskedResults(dict):
+    """The :data:`Asked` of one HTTP request; ``ids``: each caller id it holds in
+    ``RESULTS_IN_FLIGHT`` (kept when a refusal clears what it waits for), freed at its end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[str] = []
+
 STOP_POLL_S = 0.25  # how often a wait on the engine looks whether the server is stopping
 
 
@@ -101,6 +111,7 @@ def note_request(request: Any, extra: dict[str, Any] | None) -> None:
         asked[rid] = (names, int(getattr(request.sampling_params, "n", 1) or 1))
         if (busy := RESULTS_IN_FLIGHT.get()) is not None:
             busy[rid] = asked  # its HTTP request's, until that one is answered
+            asked.ids.append(rid)
 
 
 def id_in_use(request: Any) -> str | None:
@@ -410,7 +421,7 @@ class ResultReturn:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].endswith(self.paths):
             return await self.app(scope, receive, send)
-        asked: Asked = {}
+        asked = AskedResults()
         admitted = Held()  # HELD: the prompts admitted, refused: REFUSED's why
         refused: list[str] = []
         held: dict[str, Any] = {}  # a non-streamed response: its start and body so far
@@ -466,7 +477,7 @@ class ResultReturn:
         if settle is not None:
             await asyncio.shield(settle)  # bounded: ask's
 
-    async def _settle(self, asked: Asked, leftover: list[str], engines: list[str]) -> None:
+    async def _settle(self, asked: AskedResults, leftover: list[str], engines: list[str]) -> None:
         """Discard what ``leftover`` (caller ids) left in the engine, then free ``asked``'s ids:
         a request reusing one is refused until its discard is sent."""
         try:
@@ -476,10 +487,11 @@ class ResultReturn:
         finally:
             self._free(asked)
 
-    def _free(self, asked: Asked) -> None:
+    def _free(self, asked: AskedResults) -> None:
         """The caller ids of ``asked``'s HTTP request may ask for results again."""
-        for rid in [r for r, owner in self.in_flight.items() if owner is asked]:
-            del self.in_flight[rid]
+        for rid in asked.ids:
+            if self.in_flight.get(rid) is asked:
+                del self.in_flight[rid]
 
     async def _with_results(self, body: bytes, asked: dict, complete: set[str]) -> bytes:
         try:
