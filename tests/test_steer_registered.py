@@ -118,6 +118,14 @@ def test_a_registered_vector_is_used_by_the_next_request_that_names_it():
     assert request_salt(named, b"k" * 32, server=engine) != salt
     other = {"tllm_esamp_beta": 0.5}  # no key of a consumer whose config changed
     assert request_salt(other, b"k" * 32, server=engine) == request_salt(other, b"k" * 32)
+    # steer on every request (not per-request): a control changes what it does to requests
+    # without keys too; each change gives them a new salt (a new prefix-cache namespace).
+    engine.per_request["steer"] = False
+    plain = request_salt({}, b"k" * 32, server=engine)
+    assert plain is not None and request_salt({}, b"k" * 32) is None
+    assert request_salt({"x": 1}, b"k" * 32, server=engine) == plain  # not a tllm key
+    engine.control_applied("steer", engine.configs["steer"])
+    assert request_salt({}, b"k" * 32, server=engine) not in (None, plain)
 
 
 def test_a_request_admitted_before_its_vector_was_removed_is_only_itself_unsteered():

@@ -246,18 +246,19 @@ def request_salt(
 ) -> str | None:
     """The prefix-cache salt of a request whose tllm keys may change its KV (None: none); a
     server's secret ``key`` makes it an HMAC no client's own ``cache_salt`` can equal;
-    ``server``: its consumers' configs as control requests changed them count too."""
+    ``server``: the control requests applied to the consumers acting on it count too (so a
+    consumer acting on every request gives requests without keys a salt once controlled)."""
     items = sorted(
         (k, str(v))
         for k, v in (extra or {}).items()
         # Asking for results changes no computation: such requests share the cache.
         if k.startswith(PREFIX) and k not in TAGS and k != RESULTS_KEY
     )
+    if server is not None:  # a control changed what these consumers do to this request
+        acting = [n for n in sorted(server.controls) if server.active(n, extra or {})]
+        items += [(f"{n}#controls", str(server.controls[n])) for n in acting]
     if not items or not can_change_kv:
         return None
-    if server is not None and server.controls:
-        named = sorted({server.owners[k][0] for k, _ in items if k in server.owners})
-        items += [(f"{n}#controls", str(server.controls[n])) for n in named if n in server.controls]
     text = json.dumps(items).encode()
     if key is None:
         digest = hashlib.sha256(text).hexdigest()[:16]
