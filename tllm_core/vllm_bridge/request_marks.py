@@ -44,6 +44,7 @@ class AskedResults(dict):
         super().__init__()
         self.ids: list[str] = []
 
+
 STOP_POLL_S = 0.25  # how often a wait on the engine looks whether the server is stopping
 
 
