@@ -34,6 +34,7 @@ SSE = b"text/event-stream"
 
 Ask = Callable[[str, list[str] | None], Awaitable[list[Any]]]
 Asked = dict[str, tuple[list[str], int]]  # caller id -> (consumers asked, n)
+STOP_POLL_S = 0.25  # how often a wait on the engine looks whether the server is stopping
 
 
 class AskedResults(dict):
@@ -43,9 +44,6 @@ class AskedResults(dict):
     def __init__(self) -> None:
         super().__init__()
         self.ids: list[str] = []
-
-
-STOP_POLL_S = 0.25  # how often a wait on the engine looks whether the server is stopping
 
 
 class ServerStopping(RuntimeError):
