@@ -242,3 +242,7 @@ def test_failed_requests_name_their_consumers_and_stay_bounded(monkeypatch):
     rows.requests = [again]
     bus.publish(c, Bundle(10, rows))
     assert bus.failures_of(["r9-zyxwvuts"]) == {}
+    sample = RequestInfo("1_s-abcdefgh", "s", 0, 1, 4, parent_id="s-abcdefgh")  # n > 1
+    rows.requests = [sample]
+    bus.publish(c, Bundle(11, rows))
+    assert bus.failures_of(["s-abcdefgh"]) == {"s-abcdefgh": ["picky"]}

@@ -207,18 +207,22 @@ def test_a_steer_scale_past_the_model_dtype_is_refused(tiny_model):
     NaN: a configured scale is refused at start, a request's own leaves it unsteered."""
     big = 3e38  # a finite float32; times 2.0 past float32's largest (3.4e38)
     steer = {"vectors": [{"name": "v", "layer": 1, "vector": [2.0] * 128}]}
+    # Off for the requests below (they name only "v", or none): its size must not count.
+    huge = {"name": "w", "layer": 1, "vector": [1e38] * 128, "registered": True}
     with pytest.raises(
         ValueError, match=r"vectors\[0\]: scale 3e\+38 times .* largest entry 2 is past"
     ):
         ConsumerKit(tiny_model, [{"name": "steer", "config": {"vectors": [
             {**steer["vectors"][0], "scale": big}]}}])  # fmt: skip
-    kit = ConsumerKit(tiny_model, [{"name": "steer", "config": steer, "per_request": True}])
+    config = {"vectors": [*steer["vectors"], huge]}
+    kit = ConsumerKit(tiny_model, [{"name": "steer", "config": config, "per_request": True}])
     extra = [{"tllm_consumers": "steer", "tllm_steer_scale": big}]
     extra += [{"tllm_consumers": "steer", "tllm_steer_vectors": f"v={big}"}]
-    extra += [{"tllm_consumers": "steer", "tllm_steer_scale": 1.0}]
-    kit.generate(["a b c"] * 3, max_tokens=3, temperature=0, extra_args=extra)
+    extra += [{"tllm_consumers": "steer", "tllm_steer_scale": 10.0}]
+    extra += [{"tllm_consumers": "steer", "tllm_steer_vectors": "v=10"}]
+    kit.generate(["a b c"] * 4, max_tokens=3, temperature=0, extra_args=extra)
     rep = kit.close()
-    assert rep["runtime"]["rows_edited.layer.1"] == 3 + 2  # the last request's rows only
+    assert rep["runtime"]["rows_edited.layer.1"] == 2 * (3 + 2)  # the last two requests' rows
     assert rep["consumers"]["steer"]["invalid_request_settings"] == 2
 
 

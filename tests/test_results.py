@@ -28,7 +28,8 @@ def test_arrays_round_trip_through_json():
         "text": "x",
     }
     wire = json.loads(json.dumps(encode(value)))
-    back = decode_results(wire)
+    back = decode_results({**wire, "spread": ["NaN", "Infinity", "-Infinity"]})  # strict JSON
+    assert np.isnan(back["spread"][0]) and back["spread"][1:] == [np.inf, -np.inf]
     assert back["a"].dtype == np.float32 and back["a"].tolist() == [[0, 1, 2], [3, 4, 5]]
     assert back["b"][0] == 3 and back["b"][1].tolist() == [1, 2]
     assert back["c"].dtype == np.float32 and back["c"].tolist() == [1.0, 1.0]

@@ -251,3 +251,12 @@ def test_v2_start_up_warm_up_requests_reach_no_consumer():
     assert events.begun == [] and not adapter.live
     runner.prepare_inputs(batch("cmpl-1-0-abcdefgh"))
     assert events.begun == [["cmpl-1-0-abcdefgh"]] and adapter.live
+
+
+def test_a_sample_of_n_knows_the_request_it_fans_out_of():
+    """vLLM runs sample i of a request as ``"{i}_{its id}"``: the runtime keeps that id (the
+    server marks the request's response by it when a consumer fails on a sample)."""
+    hooks, _ = _hooks(async_scheduling=False)
+    sample = hooks._request("1_p-abcdefgh")
+    assert (sample.request_id, sample.sample_index, sample.parent_id) == ("p", 1, "p-abcdefgh")
+    assert hooks._request("q-abcdefgh").parent_id == "q-abcdefgh"

@@ -333,16 +333,24 @@ def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):
     assert route.placed == {}  # every request's samples routed in full are forgotten
     # A client's group: its requests (n = 1 or more) go to the engine its name hashes to,
     # whatever vLLM says, in any API server process, however many groups there are.
-    pooled = [req("p-1", n=1, group="client-x/g"), req("0_p-2", group="client-x/g")]
-    pooled += [req(f"{i}_p-3", group="client-x/g") for i in range(3)]
-    home = core.core_engines[serving.group_engine("client-x/g", 2)]
-    assert [route(r) for r in pooled] == [home] * 5
+    # vLLM would send the first to e0 (round robin), then e1: the group's engine is e1.
+    g = next(f"client-x/g{i}" for i in range(100) if serving.group_engine(f"x/g{i}", 2) == 1)
+    pooled = [req("p-1", n=1, group=g), req("0_p-2", group=g)]
+    pooled += [req(f"{i}_p-3", group=g) for i in range(3)]
+    assert core.next == 0 and [route(r) for r in pooled] == [b"e1"] * 5
     assert all(r.data_parallel_rank is None for r in pooled)
+    # Another client's group of that name, in another API server process: there too.
     other = client().engine_core.get_core_engine_for_request
-    assert route(req("q-1", n=1, group="client-x/g")) == other(req("q-2", group="client-x/g"))
+    assert other(req("q-1", n=1, group="client-y/" + g.partition("/")[2])) == b"e1"
     counts = [serving.group_engine(f"client-y/{i}", 2) for i in range(1000)]
     assert 400 < counts.count(0) < 600  # spread over the engines
     assert route.placed == {}  # nothing remembered for them
+    # A third engine: only the groups it takes move (rendezvous hashing), a third of them.
+    moved = [
+        serving.group_engine(f"c/{i}", 2) != serving.group_engine(f"c/{i}", 3) for i in range(999)
+    ]
+    assert all(serving.group_engine(f"c/{i}", 3) == 2 for i, m in enumerate(moved) if m)
+    assert 250 < sum(moved) < 420
     monkeypatch.setattr(serving, "MAX_FAN_OUTS", 3)
     for i in range(10):  # fan-outs aborted after their first child: the oldest dropped
         route(req(f"0_gone-{i}"))

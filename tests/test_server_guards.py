@@ -345,12 +345,12 @@ def _app(engine, api_key, settings=None, errors=None, hung=False, fails=None):
     from tllm_core.vllm_bridge.request_marks import note_request
     from tllm_core.vllm_bridge.serving import attach_routes
 
-    failed: list[str] = []  # engine ids (a sample's) of the requests a consumer failed on
+    failed: list[str] = []  # engine ids of the requests a consumer failed on
 
     def run(body):
         """What vLLM's assign_request_id (wrapped) does per caller id in ``body["run"]``: a
-        unique engine id; the workers know a sample of ``n`` > 1 as ``"{i}_{engine id}"``. A
-        request fails when its caller id starts with "bad", or is in ``body["fail"]``."""
+        unique engine id. A request fails when its caller id starts with "bad", or is in
+        ``body["fail"]``."""
         for rid in body.get("run", []):
             engine_id, n = f"{rid}-{uuid.uuid4().hex[:8]}", body.get("n", 1)
             params = SimpleNamespace(n=n)
@@ -359,7 +359,7 @@ def _app(engine, api_key, settings=None, errors=None, hung=False, fails=None):
                 None,
             )
             if rid in body.get("fail", [r for r in body["run"] if r.startswith("bad")]):
-                failed.extend([f"{i}_{engine_id}" for i in range(n)] if n > 1 else [engine_id])
+                failed.append(engine_id)
 
     class FakeEngineClient:
         failure_reads = 0
@@ -891,9 +891,6 @@ def test_a_response_names_the_consumers_that_failed_on_its_requests(engine):
     assert streamed.text.endswith('"b"}\n\n: tllm-failed esamp\n\ndata: [DONE]\n\n'), streamed.text
     clean = client.post("/v1/completions", json={"prompt": "x", "stream": True, "run": ["ok-5"]})
     assert "tllm-failed" not in clean.text and clean.text.endswith("data: [DONE]\n\n")
-    # n > 1: the workers know the samples, the front end the request they fan out of.
-    fanned = client.post("/v1/completions", json={"prompt": "x", "run": ["bad-6"], "n": 3})
-    assert fanned.headers["x-tllm-failed"] == "esamp"
     # A caller id used again is a new request: its failed namesake does not mark it.
     again = client.post("/v1/completions", json={"prompt": "x", "run": ["bad-2"], "fail": []})
     assert again.status_code == 200 and "x-tllm-failed" not in again.headers

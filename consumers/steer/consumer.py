@@ -99,6 +99,12 @@ class _Vec:
         return out
 
 
+def _uses(s: SteerRequest, v: _Vec) -> bool:
+    """Whether a request with settings ``s`` is steered by ``v``: the vectors it names, else
+    those configured at start (a registered vector only where named)."""
+    return v.entry.name in s.vectors if s.vectors is not None else not v.entry.registered
+
+
 ADD_FIELDS = frozenset({"name", "layer", "vector", "scale", "mode", "normalize"})
 
 
@@ -269,8 +275,8 @@ class SteerConsumer(Consumer):
             if self.acts_on(req):
                 try:  # checked at admission; a vector removed since then fails here
                     state = req.settings(self)
-                    for v in self.vectors:  # the model's dtype is known here only
-                        scale = self._scale_of(state, v)
+                    for v in [v for v in self.vectors if _uses(state, v)]:
+                        scale = self._scale_of(state, v)  # the model's dtype is known here only
                         if scale is not None and (why := self._overflow(scale, v.largest)):
                             raise ValueError(f"vector {v.entry.name or '(unnamed)'}: scale {why}")
                 except ValueError as e:  # that request unsteered, the others as asked
@@ -291,9 +297,8 @@ class SteerConsumer(Consumer):
         scales: list[np.ndarray | None] = [None] * len(self.vectors)
         for req, start, stop in rows.runs():
             s = self._request_state(req)
-            named = s is not None and s.vectors is not None
             for j, v in enumerate(self.vectors):
-                if s is None or (v.entry.name not in s.vectors if named else v.entry.registered):
+                if s is None or not _uses(s, v):
                     masks[j][start:stop] = False
                     continue
                 if (scale := self._scale_of(s, v)) is not None:

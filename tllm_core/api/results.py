@@ -83,8 +83,15 @@ def encode(value: Any) -> Any:
     return value
 
 
+# How strict JSON carries the floats it has no numbers for (the server's json_safe).
+NON_FINITE = frozenset({"NaN", "Infinity", "-Infinity"})
+
+
 def decode_results(value: Any) -> Any:
-    """The inverse of :func:`encode`: each encoded array becomes a writable NumPy array."""
+    """The inverse of :func:`encode`: each encoded array becomes a writable NumPy array, and
+    the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` the floats they stand for."""
+    if isinstance(value, str) and value in NON_FINITE:
+        return float(value)
     if isinstance(value, Mapping):
         if set(value) == ARRAY_FIELDS:
             raw = base64.b64decode(value["b64"])

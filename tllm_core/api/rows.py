@@ -39,7 +39,8 @@ class SettingsOwner(Protocol):
 @dataclass
 class RequestInfo:
     """One engine request (one of the ``n`` samples of a prompt): ``engine_id`` is vLLM's id,
-    ``request_id`` the caller's (without vLLM's random suffix or the ``n`` fan-out prefix)."""
+    ``request_id`` the caller's (without vLLM's random suffix or the ``n`` fan-out prefix),
+    ``parent_id`` vLLM's id of the request its ``n`` samples fan out of (default: its own)."""
 
     engine_id: str
     request_id: str
@@ -53,9 +54,13 @@ class RequestInfo:
     cut_short: bool = False
     # The prompt's token ids where the runner gives them.
     prompt_token_ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    parent_id: str = ""
     _settings: dict[str, RequestSettings] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+
+    def __post_init__(self) -> None:
+        self.parent_id = self.parent_id or self.engine_id
 
     def settings(self, consumer: SettingsOwner) -> RequestSettings:
         """This request's validated ``consumer.Request`` settings (defaults for absent keys)."""

@@ -172,8 +172,8 @@ class Bus:
         self._reported: set[str] = set()  # consumers whose first error was logged
         self._fail_lock = threading.Lock()  # engine thread and background threads fail
         self._channels: dict[str, _BackgroundChannel] = {}
-        # Engine request id -> consumers that failed while acting on it (bounded, oldest out).
-        # vLLM's engine ids are unique per admission; a caller's id may be reused.
+        # vLLM's id of a request (its samples': the parent's) -> consumers that failed while
+        # acting on it (bounded, oldest out): unique per admission; a caller's id may be reused.
         self.failed_requests: OrderedDict[str, set[str]] = OrderedDict()
 
     def active(self, consumer: Consumer) -> bool:
@@ -228,8 +228,8 @@ class Bus:
             if off:
                 self.disabled.add(name)
             for r in requests:
-                self.failed_requests.setdefault(r.engine_id, set()).add(name)
-                self.failed_requests.move_to_end(r.engine_id)
+                self.failed_requests.setdefault(r.parent_id, set()).add(name)
+                self.failed_requests.move_to_end(r.parent_id)
             while len(self.failed_requests) > MAX_FAILED_REQUESTS:
                 self.failed_requests.popitem(last=False)
         if off:
@@ -246,7 +246,8 @@ class Bus:
             self.errors.append({"consumer": name, "where": what, "error": msg, "disabled": off})
 
     def failures_of(self, engine_ids: Iterable[str] | None = None) -> dict[str, list[str]]:
-        """The consumers that failed while acting on each of ``engine_ids`` (None: all kept)."""
+        """The consumers that failed while acting on each of ``engine_ids`` (the requests'
+        :attr:`RequestInfo.parent_id`; None: all kept)."""
         with self._fail_lock:
             known = self.failed_requests
             ids = known if engine_ids is None else [r for r in engine_ids if r in known]

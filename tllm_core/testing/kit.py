@@ -456,6 +456,7 @@ class ConsumerKit:
                     num_prompt_tokens=len(ids),
                     extra_args=dict(extra),
                     prompt_token_ids=tuple(ids),
+                    parent_id=base,
                 )
                 forced = None if tokens is None else [int(t) for t in tokens[i][j]]
                 limit = max_tokens if forced is None else len(forced)

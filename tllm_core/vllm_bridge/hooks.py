@@ -108,6 +108,7 @@ class RunnerHooks:
                 extra_args=extra,
                 cut_short=rid in self._aborting,
                 prompt_token_ids=prompt_ids,
+                parent_id=parent,
             )
             self.runtime.results.reuse(rid, engine_id, parent)  # a new request: wanted
             self.requests[engine_id] = req

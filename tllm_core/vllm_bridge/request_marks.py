@@ -19,7 +19,6 @@ from tllm_core.runtime.reports import json_safe
 from tllm_core.runtime.request_results import STORE_RESULTS
 from tllm_core.serving.keys import EngineConsumers, result_bounds
 from tllm_core.serving.throttle import Throttle
-from tllm_core.vllm_bridge.engine_ids import CHILD
 from tllm_core.vllm_bridge.errors import EngineCallFailed, EngineNoAnswer
 
 log = logging.getLogger("vllm.tllm")
@@ -138,14 +137,11 @@ class FailureMarks:
         self.reads = Throttle(self._read)
 
     async def _read(self) -> dict[str, set[str]]:
-        """Engine id as the front end knows it (a sample's: its parent's) -> failed consumers."""
         ask = self.ask()
         known: dict[str, set[str]] = {}
         for answer in [] if ask is None else await ask("tllm_failed_requests", None):
             for engine_id, names in (answer or {}).items():
-                child = CHILD.match(engine_id)  # unsure without its n: both forms are kept
-                for key in (engine_id, child.group("rest")) if child else (engine_id,):
-                    known.setdefault(key, set()).update(names)
+                known.setdefault(engine_id, set()).update(names)
         return known
 
     async def failed(self, ids: list[str]) -> list[str]:
@@ -273,7 +269,7 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
 
 
 # Per HTTP request (set by ResultReturn): what its requests asked.
-ASKED: ContextVar[Asked | None] = ContextVar("tllm_results_asked", default=None)
+ASKED: ContextVar[AskedResults | None] = ContextVar("tllm_results_asked", default=None)
 # Server-wide (bound by ResultReturn): caller id -> the ASKED of the HTTP request it belongs to.
 RESULTS_IN_FLIGHT: ContextVar[dict[str, Any] | None] = ContextVar(
     "tllm_results_in_flight", default=None

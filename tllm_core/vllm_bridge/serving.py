@@ -582,10 +582,16 @@ MAX_FAN_OUTS = 4096  # fan-outs being routed (least recently routed dropped: abo
 
 
 def group_engine(group: str, engines: int) -> int:
-    """The engine of a client's ``tllm_group``: a stable hash, the same in every API server
-    process and after a restart, and nothing to remember (any number of groups)."""
-    digest = hashlib.blake2b(group.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % engines
+    """The engine of a client's ``tllm_group`` (``"client-{digest}/{name}"``): rendezvous
+    hashing of ``name`` alone, so nothing is remembered (any number of groups), every API
+    server process and a restarted server agree, and a change in the number of engines moves
+    only the groups of the engines added or removed."""
+    name = group.partition("/")[2].encode("utf-8", "surrogatepass")
+
+    def score(engine: int) -> bytes:
+        return hashlib.blake2b(name, digest_size=8, salt=engine.to_bytes(8, "little")).digest()
+
+    return max(range(engines), key=score)
 
 
 def install_group_affinity(engine_client: Any) -> None:

@@ -74,8 +74,8 @@ class TllmWorkerExtension:
     def tllm_failed_requests(
         self, hooks: Any, engine_ids: list[str] | None = None
     ) -> dict[str, list[str]]:
-        """The consumers that failed while acting on each of ``engine_ids`` (vLLM's, one per
-        sample; None: all kept)."""
+        """The consumers that failed while acting on each of ``engine_ids`` (vLLM's id of a
+        request as its front end knows it, before the ``n`` fan-out; None: all kept)."""
         return hooks.runtime.bus.failures_of(engine_ids)
 
     @_with_hooks()
