@@ -21,9 +21,10 @@ from serve_util import get_json, tllm_serve
 pytestmark = pytest.mark.vllm
 
 
-def _complete(url: str, i: int) -> str | None:
-    """A short completion; its X-Tllm-Failed header."""
-    body = {"model": "default", "prompt": f"Note {i}:", "max_tokens": 2, "temperature": 0}
+def _complete(url: str, i: int, n: int = 1) -> str | None:
+    """A short completion of ``n`` samples; its X-Tllm-Failed header."""
+    body = {"model": "default", "prompt": f"Note {i}:", "max_tokens": 2, "n": n}
+    body["temperature"] = 0 if n == 1 else 1  # vLLM: n > 1 is not greedy
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
     try:
@@ -145,6 +146,8 @@ def test_state_stays_flat_and_disconnects_are_cut_short(tiny_model, tmp_path, sm
     args += ["--consumer", 'crasher:{"after": 1}']
     args += ["--max-model-len", "2048", "--kv-cache-gib", "1", "--", "--enforce-eager"]
     with tllm_serve(args, tmp_path / "serve.err") as url:
+        # The workers see a request's samples; its response is marked all the same.
+        assert _complete(url, -1, n=2) == "crasher"
         marks = _serve(url, 0, small_n)
         small = _state(url)
         assert "crasher" in marks and set(marks) <= {"crasher", None}, marks
@@ -152,7 +155,7 @@ def test_state_stays_flat_and_disconnects_are_cut_short(tiny_model, tmp_path, sm
         assert _serve(url, small_n, 9 * small_n) == [None] * 9 * small_n  # it is off
         large = _state(url)
         print(f"server state after {small_n} and {10 * small_n} requests: {small} {large}")
-        assert (small["requests"], large["requests"]) == (small_n, 10 * small_n)
+        assert (small["requests"], large["requests"]) == (small_n + 2, 10 * small_n + 2)
         assert small["export_open"] == large["export_open"] == 0
         assert small["runner_open"] == large["runner_open"] == 0
         # Ten times the requests: the counters grow by digits only (measured: docs/results.md).
@@ -169,7 +172,7 @@ def test_state_stays_flat_and_disconnects_are_cut_short(tiny_model, tmp_path, sm
     assert len(json.dumps(manifest["requests"])) < 1000  # running requests only: none
     with pytest.warns(IncompleteExportWarning, match="requests_unfinished: 1"):
         records = list(read_export(out))
-    assert len(records) == 10 * small_n + 1
+    assert len(records) == 2 + 10 * small_n + 1
     (cut,) = [r for r in records if not r.finished]
     assert 1 <= len(cut.generated_token_ids) < 2000  # stopped early, not at max_tokens
     # No traceback but the crasher's own (its first error and its switch-off are logged).
