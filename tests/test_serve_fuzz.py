@@ -31,7 +31,8 @@ LIMIT_MIB = 1
 # 413 before reading the body, and the client sees a reset instead (serving.XargsCheck.refuse).
 MAX_BODY = 3 * MIB
 TLLM_KEYS = ["tllm_consumers", "tllm_steer_scale", "tllm_esamp_beta", "tllm_group"]
-TLLM_KEYS += ["tllm_sae_steer", "tllm_no_such_key", "tllm_"]
+TLLM_KEYS += ["tllm_sae_steer", "tllm_no_such_key", "tllm_", "tllm_results", "tllm_steer_vectors"]
+TLLM_KEYS += ["tllm_export_window", "tllm_stats_window"]
 # Values the validators treat specially, beside what hypothesis draws.
 SPECIAL = ["esamp", "steer", "stats", "esamp,steer,stats", "esamp,,", "sae", "nobody", "NaN"]
 SPECIAL += ["Infinity", "-inf", "1e39", "0.25", '[{"feature": 1, "scale": 2.0}]', "g" * 1025]
@@ -83,7 +84,12 @@ valid = st.sampled_from(
         ("tllm_consumers", '"esamp"'),
         ("tllm_esamp_beta", "0.5"),
         ("tllm_steer_scale", "-2"),
+        ("tllm_steer_scale", "3.4e38"),  # times the vector: past the model's dtype
         ("tllm_group", '"g1"'),
+        ("tllm_consumers", '"stats,export"'),
+        ("tllm_results", '"stats,export"'),
+        ("tllm_results", '"export"'),
+        ("tllm_export_window", '"generated[0:2]"'),
     ]
 )
 pair = st.one_of(valid, st.tuples(keys, st.one_of(composite, composite, composite, huge)))
@@ -143,7 +149,7 @@ def check_answer(status: int, data: bytes, stream: bool) -> None:
     events = [ln[6:] for ln in data.decode().splitlines() if ln.startswith("data: ")]
     assert events and events[-1] == "[DONE]", data[-2000:]
     for event in events[:-1]:
-        error = json.loads(event).get("error")
+        error = strict_json(event.encode()).get("error")
         assert error is None or error.get("code", 500) < 500, event[:2000]
 
 
