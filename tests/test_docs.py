@@ -494,6 +494,25 @@ def test_relative_links_between_pages_resolve():
             )
 
 
+def _anchor(heading: str) -> str:
+    """A heading's anchor as GitHub and mkdocs make it (lower case, punctuation dropped)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_to_sections_name_a_heading_of_their_page():
+    pages = [p for p in DOCS.rglob("*.md") if p.name not in NOT_CHECKED]
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            linked = (page.parent / target) if target else page
+            if re.match(r"[a-z]+:", target) or linked.suffix != ".md" or not linked.exists():
+                continue  # another site, a file's own anchor; missing pages: the test above
+            prose = re.sub(r"^```.*?^```", "", linked.read_text(), flags=re.MULTILINE | re.DOTALL)
+            headings = re.findall(r"^#+ (.+)$", prose, re.MULTILINE)
+            assert anchor in {_anchor(h) for h in headings}, (
+                f"{page.relative_to(ROOT)}: no heading of {linked.name} has anchor #{anchor}"
+            )
+
+
 # -- the sae worked example ----------------------------------------------------------------
 @pytest.mark.vllm
 @pytest.mark.slow  # ~21 s; SAE loading, records and steering: tests/test_sae_e2e.py

@@ -1121,7 +1121,8 @@ def test_a_request_id_waiting_for_its_results_is_not_taken_by_another_request():
         first = asyncio.ensure_future(post())
         await asyncio.sleep(0.05)  # admitted, waiting for its results
         status, got = await asyncio.wait_for(post(), 5)
-        assert status == 400 and "request id 'cmpl-abc' is that of another request" in got["error"]
+        assert status == 400 and "request id 'cmpl-abc' (vLLM's" in got["error"]
+        assert "is that of another request" in got["error"]
         release.set()
         status, got = await asyncio.wait_for(first, 5)
         assert status == 200 and got["tllm"] == [{"index": 0, "stats": {"v": "cmpl-abc"}}], got

@@ -102,8 +102,11 @@ def test_a_registered_vector_is_used_by_the_next_request_that_names_it():
     assert kind == "add" and rows.tolist() == [0, 1]
     torch.testing.assert_close(value, 2 * torch.tensor(v))
     assert _steered(consumer) == {}  # a request that does not name it is not steered
-    with pytest.raises(ValueError, match="no steering vector named 'happy'.*calm"):
+    with pytest.raises(ValueError, match="no steering vector named 'happy'.*calm") as said:
         validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "happy"}, engine)
+    assert "Value error" not in str(said.value)  # the validator's words, not pydantic's
+    with pytest.raises(ValueError, match=r"got 'big' \(allowed: 'NAME\[=SCALE\],\.\.\.'"):
+        validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "calm=big"}, engine)
     named = {"tllm_consumers": "steer", "tllm_steer_vectors": "calm=2"}
     salt = request_salt(named, b"k" * 32, server=engine)
     r = client.post(URL, json={"action": "remove", "name": "calm"}, headers=AUTH)

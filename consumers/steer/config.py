@@ -167,6 +167,7 @@ class SteerRequest(RequestSettings):
     vectors: dict[str, FiniteF32 | None] | None = Field(
         None,
         max_length=256,
+        json_schema_extra={"form": "'NAME[=SCALE],...' (each SCALE a finite float32)"},
         description="the named vectors this request uses, as 'NAME[=SCALE],...' (no scale: "
         "the configured one); the others are off for it (default: every vector)",
     )

@@ -333,7 +333,7 @@ class SteerConsumer(Consumer):
         if action == "add":
             entry = new.vectors[-1]
             try:
-                vec = self._build(entry, f"vector {entry.name!r}")
+                vec = self._build(entry, repr(entry.name))
             except ValueError as e:
                 raise ControlError(str(e), 409 if "both" in str(e) else 400) from None
             if vec.layer not in self.layers:

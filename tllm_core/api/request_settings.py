@@ -173,10 +173,14 @@ def _marked(field: FieldInfo, check: Any) -> bool:
 
 
 def allowed(field: FieldInfo) -> str:
-    """What a field accepts, in words: type, bounds and choices (``float >= 0 | None``)."""
+    """What a field accepts, in words: type (or the field's ``json_schema_extra["form"]``,
+    the form a client writes), bounds and choices (``float >= 0 | None``)."""
     if _marked(field, request_window):
         return f"a capture window (docs/ports.md#capture-windows): {GRAMMAR}; None: the consumer's config"
-    text = type_name(field.annotation)
+    form = (
+        field.json_schema_extra.get("form") if isinstance(field.json_schema_extra, dict) else None
+    )
+    text = str(form) if form is not None else type_name(field.annotation)
     for m in field.metadata:
         for attr, op in _BOUNDS.values():
             bound = getattr(m, attr, None)
@@ -232,7 +236,15 @@ def error_words(err: dict[str, Any]) -> str:
         return f"must be {op} {ctx.get(attr)}"
     if kind == "too_long":
         return f"must have at most {ctx.get('max_length')} entries (got {ctx.get('actual_length')})"
-    return f"is not valid ({err['msg']})"
+    return f"is not valid ({message(err)})"
+
+
+def message(err: dict[str, Any]) -> str:
+    """A pydantic error's message; a validator's ``ValueError`` as it said it (no "Value
+    error, " prefix)."""
+    if err["type"] == "value_error" and "error" in (err.get("ctx") or {}):
+        return str(err["ctx"]["error"])
+    return err["msg"]
 
 
 def parse_request_settings(
@@ -275,7 +287,7 @@ def parse_request_settings(
             ) from None
         # A model-level check (several fields together): name every key that was given.
         keys = ", ".join(repr(request_key(consumer, f)) for f in data) or "(none)"
-        raise ValueError(f"{where}[{keys}]: {err['msg']}") from None
+        raise ValueError(f"{where}[{keys}]: {message(err)}") from None
 
 
 def describe_field(f: FieldInfo) -> dict[str, Any]:

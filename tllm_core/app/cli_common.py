@@ -167,7 +167,10 @@ def add_model_args(g: Any) -> None:
     )
     for opt, help in (
         ("--max-model-len", "context length (default: the model's own, as vLLM derives it)"),
-        ("--kv-cache-gib", "CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)"),
+        (
+            "--kv-cache-gib",
+            "CPU KV cache size in whole GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
+        ),
     ):
         g.add_argument(opt, type=COUNT, help=help)
     g.add_argument(

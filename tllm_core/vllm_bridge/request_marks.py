@@ -120,8 +120,9 @@ def id_in_use(request: Any) -> str | None:
     if busy is None or busy.get(rid, mine) is mine:
         return None
     return (
-        f"tllm: request id {rid!r} is that of another request still waiting for its results; "
-        "give each request its own id (X-Request-Id, request_id), or none"
+        f"tllm: request id {rid!r} (vLLM's, made from the id the request gave) is that of "
+        "another request still waiting for its results; give each request its own id "
+        "(X-Request-Id, request_id), or none"
     )
 
 
