@@ -246,3 +246,19 @@ def test_failed_requests_name_their_consumers_and_stay_bounded(monkeypatch):
     rows.requests = [sample]
     bus.publish(c, Bundle(11, rows))
     assert bus.failures_of(["s-abcdefgh"]) == {"s-abcdefgh": ["picky"]}
+
+
+def test_a_failed_close_is_not_said_to_go_on(caplog):
+    """A consumer whose close raises: logged as failing at the run's end, not with the
+    failures-in-a-row rule of its step callbacks (no call of it comes after close)."""
+
+    class Leaky(Consumer):
+        name = "leaky"
+
+        def close(self):
+            raise OSError("disk full")
+
+    bus, c = Bus(Counters(), RuntimeSettings()), Leaky(ConsumerConfig(), None)
+    assert not bus.call(c, "close", c.close)
+    assert "raised in close: OSError: disk full (in its close, at the run's end)" in caplog.text
+    assert "goes on" not in caplog.text

@@ -84,7 +84,7 @@ BAD_BETA = 'esamp:{"beta": "x"}'
 BAD_BETA_SAYS = (
     "invalid config for consumer 'esamp'",
     "beta",
-    "input_value='x'",
+    "got 'x'",
     "Input should be a valid number",
 )
 

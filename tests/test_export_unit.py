@@ -568,10 +568,20 @@ def test_unwritable_parent(tmp_path):
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        with pytest.raises(ValueError, match="not writable"):
+        with pytest.raises(ValueError, match="cannot write to it"):
             make_export(ro / "x")
     finally:
         ro.chmod(0o700)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_out_where_nothing_can_be_made_is_refused_before_generation(tmp_path):
+    """Permission bits do not tell for root or a pseudo file system: the check makes a folder
+    there and removes it, and leaves nothing behind when it can."""
+    with pytest.raises(ValueError, match=r"cannot create out='/proc/nope' in '/proc': \w+Error"):
+        make_export("/proc/nope")
+    make_export(tmp_path / "new").close()
+    assert os.listdir(tmp_path) == []
 
 
 def test_non_empty_dir_needs_overwrite(tmp_path):

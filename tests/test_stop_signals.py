@@ -10,6 +10,7 @@ Reuses the Ctrl-C tests' helpers (``test_cli_experience``); engine runs are smal
 from __future__ import annotations
 
 import json
+import multiprocessing.process
 import os
 import signal
 import subprocess
@@ -113,6 +114,7 @@ def test_install_makes_one_owner_and_uninstall_puts_the_handlers_back():
     from tllm_core.app import stop
 
     before = {sig: signal.getsignal(sig) for sig in stop.STOP_SIGNALS}
+    start = multiprocessing.process.BaseProcess.start
     signals = stop.install()
     try:
         assert signals is not None and stop.installed() is signals
@@ -123,9 +125,12 @@ def test_install_makes_one_owner_and_uninstall_puts_the_handlers_back():
             assert signal.getsignal(sig) == want, sig
         assert signals.received() is None
         assert stop.install() is signals  # one per process
+        # Children start with SIGINT ignored (until they set their own handler).
+        assert multiprocessing.process.BaseProcess.start is not start
     finally:
         stop.uninstall()
     assert stop.installed() is None
+    assert multiprocessing.process.BaseProcess.start is start
     assert {sig: signal.getsignal(sig) for sig in stop.STOP_SIGNALS} == before
 
 

@@ -6,6 +6,7 @@ made by patching the writes (no root-only mounts)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -17,6 +18,7 @@ from test_export_unit import FakeEngine, make_export, run_engine
 
 from consumers.export import format as fmt
 from consumers.export import read_export
+from consumers.export import report as export_report
 from consumers.export import writer as writer_mod
 from consumers.export.reader import IncompleteExportWarning
 from consumers.export.writer import ExportWriteError
@@ -150,6 +152,32 @@ def test_export_consumer_reports_the_failed_file(tmp_path, monkeypatch):
     assert {r["request_id"] for r in _jsonl(out)} <= {"req0"}
     with pytest.warns(IncompleteExportWarning, match="a write failed: writing .*No space left"):
         list(read_export(out))
+    (said,) = export_report.warnings({}, res)  # the run's summary
+    assert said.endswith("(the manifest says complete: false)"), said
+
+
+def test_export_that_left_no_manifest_does_not_point_to_one(tmp_path, monkeypatch):
+    out = tmp_path / "exp"
+    c = make_export(out, layers=[0], shard_rows=3)
+    eng = FakeEngine([4, 3], [2, 2], ["layer.0"])
+    _fail_shards_from(monkeypatch, 0, ENOSPC)
+
+    def no_json(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fmt, "write_json_atomic", no_json)
+    run_engine(c, eng, lambda b: _deliver(c, b))
+    with contextlib.suppress(ExportWriteError):
+        c.close()
+    res = c.result()
+    assert res["manifest"] is False and not (out / fmt.MANIFEST).exists()
+    (said,) = export_report.warnings({}, res)
+    assert said.endswith("(no manifest: nothing in the folder is an export)"), said
+
+
+def _deliver(c, bundle) -> None:
+    with contextlib.suppress(ExportWriteError):
+        c.on_bundle(bundle)
 
 
 def test_requests_jsonl_waits_for_the_shard_of_its_rows(tmp_path):

@@ -10,12 +10,16 @@ from tllm_core import ConsumerSpec, cli_common
 
 
 def _phase(text: str) -> str:
-    from tllm_core import as_selector
+    from pydantic import ValidationError
+
+    from consumers.export.consumer import ExportConfig
 
     try:
-        as_selector(text, "--phase")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        ExportConfig(out=None, phase=text)  # the config's own check, one definition
+    except ValidationError as e:
+        err = e.errors()[0]
+        said = (err.get("ctx") or {}).get("error", err["msg"])  # the validator's own words
+        raise argparse.ArgumentTypeError(f"--phase {text!r}: {said}") from None
     return text
 
 

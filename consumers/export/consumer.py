@@ -81,6 +81,16 @@ class ExportConfig(ConsumerConfig):
         "removed at the first write; other files are left alone.",
     )
 
+    @field_validator("phase")
+    @classmethod
+    def _rows_in_bundles(cls, v: str) -> str:
+        if v == "guide":  # Phase.GUIDE: read at guide time only, no row in any bundle
+            raise ValueError(
+                "'guide' exports no row (a port read at guide time only); give 'prefill', "
+                "'decode', 'all' or a capture window"
+            )
+        return v
+
     @field_validator("layers")
     @classmethod
     def _port_names(cls, v: list[int | str]) -> list[int | str]:
@@ -321,7 +331,7 @@ class ExportConsumer(Consumer):
                 "requests_open": w.table.open_count,
                 "keys": list(self.keys),
                 "complete": w.complete,
-                **({"error": w.error} if w.error else {}),
+                **({"error": w.error, "manifest": w.has_manifest} if w.error else {}),
             }
 
     summary = staticmethod(report.summary)

@@ -24,7 +24,12 @@ def summary(counters: dict[str, Any], result: Any) -> list[str]:
 def warnings(counters: dict[str, Any], result: Any) -> list[str]:
     # Rows lost to dropped bundles are the runtime's own warning; an open export is no warning.
     if isinstance(result, dict) and result.get("error"):
-        return [f"not complete: {result['error']} (the manifest says complete: false)"]
+        where = (
+            "the manifest says complete: false"
+            if result.get("manifest", True)
+            else "no manifest: nothing in the folder is an export"
+        )
+        return [f"not complete: {result['error']} ({where})"]
     cut = counters.get("requests_cut_short", 0)
     if cut and isinstance(result, dict) and result.get("complete") is False:
         return [

@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,15 +37,27 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _writable(folder: str) -> str | None:
+    """Why nothing can be made in ``folder``, or None: a folder made there and removed again
+    (permission bits do not tell for root, a read-only mount or a pseudo file system)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "this process cannot write to it"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tllm-check-", dir=folder))
+    except OSError as e:
+        return _cause(e)
+    return None
+
+
 def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
-    """``out``'s absolute path, checked without creating anything (``ValueError`` naming it);
+    """``out``'s absolute path, checked leaving nothing behind (``ValueError`` naming it);
     part folders ``dp{r}`` with ``r < parts_below`` do not count (each engine checks its own)."""
     path = os.path.abspath(os.path.expanduser(str(out)))
     if os.path.lexists(path) and not os.path.isdir(path):
         raise ValueError(f"export: out={out!r} exists and is not a directory")
     if os.path.isdir(path):
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"export: out={out!r} is a directory this process cannot write to")
+        if why := _writable(path):
+            raise ValueError(f"export: out={out!r} is a directory tllm cannot write to: {why}")
         with os.scandir(path) as it:
             entries = sorted(e.name for e in it if not _part_below(e.name, parts_below))
         if entries and not overwrite:
@@ -62,8 +75,8 @@ def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
         raise ValueError(
             f"export: cannot create out={out!r}: {parent!r} exists and is not a directory"
         )
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"export: cannot create out={out!r}: directory {parent!r} is not writable")
+    if why := _writable(parent):
+        raise ValueError(f"export: cannot create out={out!r} in {parent!r}: {why}")
     return path
 
 
@@ -365,6 +378,11 @@ class RecordWriter:
             f"export: {self.error}; {rows} row(s) and every later one are not written; "
             f"{mpath!r} says complete: false with this cause"
         ) from e
+
+    @property
+    def has_manifest(self) -> bool:
+        """Whether the folder holds this export's manifest (a failed write may leave none)."""
+        return os.path.isfile(os.path.join(self.path, fmt.MANIFEST))
 
     def write_manifest(self) -> None:
         mpath = os.path.join(self.path, fmt.MANIFEST)

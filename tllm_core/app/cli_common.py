@@ -163,7 +163,8 @@ def add_model_args(g: Any) -> None:
         "--dtype",
         default=DEFAULT_DTYPE,
         choices=("auto", "bfloat16", "float32", "float", "float16", "half"),  # vLLM's own
-        help=f"model dtype: float32, bfloat16, auto (the model's own; default {DEFAULT_DTYPE})",
+        help="model dtype: float32 (float), bfloat16, float16 (half), auto (the model's own; "
+        f"default {DEFAULT_DTYPE})",
     )
     for opt, help in (
         ("--max-model-len", "context length (default: the model's own, as vLLM derives it)"),
@@ -226,17 +227,21 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-tokens", type=COUNT, default=64, help="new tokens per sample (default 64)"
     )
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1.0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, (0, 1] (default 1.0)")
     g.add_argument(
         "--top-k",
         type=checked_arg(Annotated[int, Field(ge=0, description="0 disables top-k")]),
         default=0,
         help="0 disables top-k",
     )
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--min-p", type=float, default=0.0, help="0 disables min-p (default 0.0)")
     # vLLM's own bound on --seed (a larger seed fails in the engine, after its start)
-    g.add_argument("--seed", type=checked_arg(Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]))
+    g.add_argument(
+        "--seed",
+        type=checked_arg(Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]),
+        help="per-request sampling seed (default: none, unseeded)",
+    )
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument(
         "--results",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing.process
 import os
 import signal
 import sys
@@ -147,7 +148,30 @@ def install() -> StopSignals | None:
             continue
         signals.replaced.setdefault(sig, previous)
         signal.signal(sig, signals.handle)
+    _start_children_deaf(True)
     return signals
+
+
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _deaf_start(self: multiprocessing.process.BaseProcess) -> None:
+    """``Process.start`` with SIGINT ignored while the child is made: the child starts with
+    it ignored (kept across exec) until it sets its own handler (vLLM's engine core does, on
+    entry), so a Ctrl-C at the terminal, which reaches every process of the command, does
+    not print a child's half-imported traceback; the command stops its engine itself. A
+    Ctrl-C within the few milliseconds of the start is lost."""
+    if threading.current_thread() is not threading.main_thread():
+        return _process_start(self)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return _process_start(self)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _start_children_deaf(on: bool) -> None:
+    multiprocessing.process.BaseProcess.start = _deaf_start if on else _process_start  # type: ignore[method-assign]
 
 
 def uninstall() -> None:
@@ -157,6 +181,7 @@ def uninstall() -> None:
     if signals is None:
         return
     atexit.unregister(signals.forget_dead_children)
+    _start_children_deaf(False)
     for sig, previous in signals.replaced.items():
         if signal.getsignal(sig) == signals.handle:
             signal.signal(sig, previous)

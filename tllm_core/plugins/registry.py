@@ -23,7 +23,9 @@ from tllm_core.api.request_settings import (
     allowed,
     describe_field,
     describe_request_keys,
+    message,
     request_keys,
+    short_repr,
     type_name,
 )
 from tllm_core.plugins.loader import BrokenPlugin, Plugins
@@ -204,8 +206,13 @@ class Registry:
             if unknown := sorted(bad - set(fields)):
                 hint += f"\nunknown field(s) {', '.join(map(repr, unknown))}; consumer "
                 hint += f"{spec.name!r} takes: {', '.join(fields) or '(no fields)'}"
+            said = "".join(
+                f"\n  {'.'.join(map(str, x['loc'])) or '(config)'}: {message(x)}, "
+                f"got {short_repr(x.get('input'))}"
+                for x in e.errors()
+            )
             raise ConsumerSpecError(
-                f"invalid config for consumer {spec.name!r}:\n{e}{hint}"
+                f"invalid config for consumer {spec.name!r}:{said}{hint}"
             ) from None
 
     def check(self, specs: Iterable[ConsumerSpec]) -> list[ConsumerConfig]:
