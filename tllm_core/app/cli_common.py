@@ -489,7 +489,8 @@ def generate_with(
         **(extra_engine or {}),
     )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
-    progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
+    # A bar on a terminal only: in a file or a pipe its redraws pile up on one line.
+    progress = RunProgress(extra=status) if sys.stderr.isatty() else None
     items = [[{"role": "user", "content": p}] for p in texts_in] if args.chat else texts_in
     interrupted = False
     died: EngineDiedError | None = None
