@@ -110,6 +110,10 @@ def test_exit_codes_and_timeout_setting(monkeypatch):
     assert main(["consumers"]) == 2 and stop.installed() is None
 
 
+def _sigint_handler_to(conn) -> None:  # a spawned child's report
+    conn.send(getattr(signal.getsignal(signal.SIGINT), "name", "a handler"))
+
+
 def test_install_makes_one_owner_and_uninstall_puts_the_handlers_back():
     from tllm_core.app import stop
 
@@ -125,8 +129,19 @@ def test_install_makes_one_owner_and_uninstall_puts_the_handlers_back():
             assert signal.getsignal(sig) == want, sig
         assert signals.received() is None
         assert stop.install() is signals  # one per process
-        # Children start with SIGINT ignored (until they set their own handler).
-        assert multiprocessing.process.BaseProcess.start is not start
+        # Children start with SIGINT ignored (until they set their own handler); ours is back.
+        held = signal.signal(signal.SIGINT, signals.handle)  # as at a terminal (xdist: ignored)
+        try:
+            ctx = multiprocessing.get_context("spawn")
+            theirs, ours = ctx.Pipe()
+            child = ctx.Process(target=_sigint_handler_to, args=(ours,))
+            child.start()
+            assert theirs.poll(60), "the child did not report"
+            assert theirs.recv() == "SIG_IGN"
+            assert signal.getsignal(signal.SIGINT) == signals.handle
+            child.join(30)
+        finally:
+            signal.signal(signal.SIGINT, held)
     finally:
         stop.uninstall()
     assert stop.installed() is None

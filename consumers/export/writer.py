@@ -37,16 +37,27 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+# The write check's file (unnamed where the file system can: O_TMPFILE); the folder checks
+# of other engines, which may run meanwhile, do not count it.
+PROBE_PREFIX = ".tllm-check-"
+
+
 def _writable(folder: str) -> str | None:
-    """Why nothing can be made in ``folder``, or None: a folder made there and removed again
+    """Why nothing can be made in ``folder``, or None: a file made there and gone again
     (permission bits do not tell for root, a read-only mount or a pseudo file system)."""
     if not os.access(folder, os.W_OK | os.X_OK):
         return "this process cannot write to it"
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".tllm-check-", dir=folder))
+        with tempfile.TemporaryFile(prefix=PROBE_PREFIX, dir=folder):
+            pass
     except OSError as e:
         return _cause(e)
     return None
+
+
+def _listed(names: Iterable[str]) -> list[str]:
+    """A folder's names but a write check's file."""
+    return sorted(n for n in names if not n.startswith(PROBE_PREFIX))
 
 
 def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
@@ -59,7 +70,7 @@ def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
         if why := _writable(path):
             raise ValueError(f"export: out={out!r} is a directory tllm cannot write to: {why}")
         with os.scandir(path) as it:
-            entries = sorted(e.name for e in it if not _part_below(e.name, parts_below))
+            entries = _listed(e.name for e in it if not _part_below(e.name, parts_below))
         if entries and not overwrite:
             shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             raise ValueError(
@@ -190,6 +201,7 @@ class RecordWriter:
         self.seconds_writing = 0.0
         self._prepared = False
         self._lock: int | None = None  # the folder's descriptor, flock-ed while writing
+        self._wrote_manifest = False
         self.capacity = self.buffered = 0  # rows allocated, rows held
         self._hidden: dict[str, torch.Tensor] = {}
         self._meta: dict[str, np.ndarray] = {}
@@ -300,7 +312,7 @@ class RecordWriter:
             )
         if self._prepared:
             return
-        names = sorted(os.listdir(self.path))
+        names = _listed(os.listdir(self.path))
         if names and not self.layout.overwrite:
             self._unlock()
             raise ValueError(
@@ -381,14 +393,15 @@ class RecordWriter:
 
     @property
     def has_manifest(self) -> bool:
-        """Whether the folder holds this export's manifest (a failed write may leave none)."""
-        return os.path.isfile(os.path.join(self.path, fmt.MANIFEST))
+        """Whether the folder holds a manifest this writer wrote (a failed write may leave none)."""
+        return self._wrote_manifest and os.path.isfile(os.path.join(self.path, fmt.MANIFEST))
 
     def write_manifest(self) -> None:
         mpath = os.path.join(self.path, fmt.MANIFEST)
         try:
             self.prepare()
             fmt.write_json_atomic(mpath, self._manifest())
+            self._wrote_manifest = True
         except Exception as e:  # noqa: BLE001 - as write_shard
             with contextlib.suppress(OSError):
                 os.remove(mpath + fmt.TMP_SUFFIX)

@@ -197,7 +197,11 @@ def allowed(field: FieldInfo) -> str:
 
 def short_repr(value: Any, limit: int = 200) -> str:
     """``repr(value)``, cut to ``limit`` characters: a message must not echo a huge request."""
-    text = repr(value)
+    return short_text(repr(value), limit)
+
+
+def short_text(text: str, limit: int = 500) -> str:
+    """``text`` cut to ``limit`` characters (a validator's words may quote the value)."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 

@@ -167,11 +167,16 @@ def _deaf_start(self: multiprocessing.process.BaseProcess) -> None:
     try:
         return _process_start(self)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if previous is not None:  # None: a handler set from C, which Python cannot put back
+            signal.signal(signal.SIGINT, previous)
 
 
 def _start_children_deaf(on: bool) -> None:
-    multiprocessing.process.BaseProcess.start = _deaf_start if on else _process_start  # type: ignore[method-assign]
+    start = multiprocessing.process.BaseProcess
+    if on:
+        start.start = _deaf_start  # type: ignore[method-assign]
+    elif start.start is _deaf_start:  # not another's patch made since
+        start.start = _process_start  # type: ignore[method-assign]
 
 
 def uninstall() -> None:

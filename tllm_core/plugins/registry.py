@@ -26,6 +26,7 @@ from tllm_core.api.request_settings import (
     message,
     request_keys,
     short_repr,
+    short_text,
     type_name,
 )
 from tllm_core.plugins.loader import BrokenPlugin, Plugins
@@ -207,8 +208,8 @@ class Registry:
                 hint += f"\nunknown field(s) {', '.join(map(repr, unknown))}; consumer "
                 hint += f"{spec.name!r} takes: {', '.join(fields) or '(no fields)'}"
             said = "".join(
-                f"\n  {'.'.join(map(str, x['loc'])) or '(config)'}: {message(x)}, "
-                f"got {short_repr(x.get('input'))}"
+                f"\n  {'.'.join(map(str, x['loc'])) or '(config)'}: {short_text(message(x))}"
+                + ("" if x["type"] == "missing" else f", got {short_repr(x.get('input'))}")
                 for x in e.errors()
             )
             raise ConsumerSpecError(

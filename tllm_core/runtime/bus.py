@@ -236,11 +236,11 @@ class Bus:
             self.counters.add("consumers_disabled")
         if off or first:
             why = (
-                "consumer disabled for the rest of the run: "
+                "in its close, at the run's end"
+                if what == "close"
+                else "consumer disabled for the rest of the run: "
                 + ("failed in a background thread" if disable else f"{n} failures in a row")
                 if off
-                else "in its close, at the run's end"
-                if what == "close"
                 else f"the consumer goes on; it is disabled after {limit} failures in a row of "
                 f"one callback; its later errors are counted in consumer_errors.{name}, not logged"
             )
