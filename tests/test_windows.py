@@ -48,6 +48,15 @@ def test_the_grammar_and_the_rows_each_window_keeps():
     )
     with pytest.raises(ValueError, match=r"HiddenStates\(phase='final'\).*last_prompt"):
         HiddenStates(1, "final")
+    # A config's window (CaptureWindow) cuts bundles: 'guide' (a guide-time read) selects none.
+    from tllm_core import ConsumerSpec
+    from tllm_core.plugins.registry import ConsumerSpecError, Registry
+
+    for name in ("stats", "export", "sae"):
+        config = {"phase": "guide", **({"path": "p"} if name == "sae" else {})}
+        with pytest.raises(ConsumerSpecError, match=f"{name}: phase: 'guide' selects no row"):
+            Registry().validate(ConsumerSpec(name=name, config=config))
+    assert Registry().validate(ConsumerSpec(name="stats", config={"phase": "prefill"}))
     # 'last' (each request's last row) keeps no row when a step is cut: it is delivered at
     # the request's finish (tllm_core/runtime/reads.py)
     assert not Window.parse("last").mask(position, prompt).any()

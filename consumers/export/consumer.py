@@ -81,16 +81,6 @@ class ExportConfig(ConsumerConfig):
         "removed at the first write; other files are left alone.",
     )
 
-    @field_validator("phase")
-    @classmethod
-    def _rows_in_bundles(cls, v: str) -> str:
-        if v == "guide":  # Phase.GUIDE: read at guide time only, no row in any bundle
-            raise ValueError(
-                "'guide' exports no row (a port read at guide time only); give 'prefill', "
-                "'decode', 'all' or a capture window"
-            )
-        return v
-
     @field_validator("layers")
     @classmethod
     def _port_names(cls, v: list[int | str]) -> list[int | str]:

@@ -75,7 +75,13 @@ def config_window(value: Any, info: ValidationInfo) -> str:
     ``context["consumer"]``, the field and the grammar) and kept as its text."""
     text = str(getattr(value, "value", value))
     consumer = (info.context or {}).get("consumer")
-    as_selector(text, f"{consumer}: {info.field_name}" if consumer else str(info.field_name))
+    where = f"{consumer}: {info.field_name}" if consumer else str(info.field_name)
+    if text == "guide":  # Phase.GUIDE: read at guide time only, no row in any bundle
+        raise ValueError(
+            f"{where}: 'guide' selects no row of a bundle (a port read at guide time only); "
+            f"give a window: {GRAMMAR}"
+        )
+    as_selector(text, where)
     return text
 
 
