@@ -472,7 +472,8 @@ def test_a_refused_prompt_has_the_results_of_the_prompts_admitted_before_dropped
             calls.append(("abort", list(request_ids)))
 
         async def collective_rpc(self, method, args=()):
-            calls.append((method, *args))
+            if method != "tllm_failed_requests":  # each response's read of its failure marks
+                calls.append((method, *args))
             return [None]
 
     app = FastAPI()

@@ -23,8 +23,9 @@ from tllm_core.vllm_bridge.errors import EngineCallFailed, EngineNoAnswer
 
 log = logging.getLogger("vllm.tllm")
 
-# Engine ids of the requests an HTTP request made vLLM run (set by FailureMarks; note_request).
-REQUEST_IDS: ContextVar[list[str] | None] = ContextVar("tllm_request_ids", default=None)
+# vLLM's ids of the requests an HTTP request had admitted (note_request): bound by the outer
+# middleware that needs them (FailureMarks: its marks; ResultReturn: a refused one's discard).
+ADMITTED: ContextVar[list[str] | None] = ContextVar("tllm_admitted", default=None)
 FAILED_HEADER = b"x-tllm-failed"
 # The last event of an OpenAI stream; a stream's mark is an SSE comment line just before it.
 # At a line's start only: a JSON event's text may hold these bytes (echo, generated text).
@@ -99,11 +100,9 @@ def caller_id(request: Any) -> str:
 
 def note_request(request: Any, extra: dict[str, Any] | None) -> None:
     """Called once per request vLLM admits: note its caller id and the results it asks for."""
-    rid, engine_id = caller_id(request), str(request.request_id)  # vLLM's engine id by now
-    if (ids := REQUEST_IDS.get()) is not None:
-        ids.append(engine_id)
+    rid = caller_id(request)
     if (engines := ADMITTED.get()) is not None:
-        engines.append(engine_id)
+        engines.append(str(request.request_id))  # vLLM's engine id by now
     names = asked_results(extra) if extra else []
     if (asked := ASKED.get()) is not None and names:
         asked[rid] = (names, int(getattr(request.sampling_params, "n", 1) or 1))
@@ -177,7 +176,7 @@ class FailureMarks:
                     msg = {**msg, "body": before_end(body, line)}
             await send(msg)
 
-        with bound(REQUEST_IDS, ids):
+        with bound(ADMITTED, ids):
             await self.app(scope, receive, marked)
 
 
@@ -275,8 +274,6 @@ ASKED: ContextVar[AskedResults | None] = ContextVar("tllm_results_asked", defaul
 RESULTS_IN_FLIGHT: ContextVar[dict[str, Any] | None] = ContextVar(
     "tllm_results_in_flight", default=None
 )
-# The engine ids of the requests an HTTP request had admitted (a refused one's discard).
-ADMITTED: ContextVar[list[str] | None] = ContextVar("tllm_admitted", default=None)
 
 
 class Held(dict):
@@ -451,7 +448,9 @@ class ResultReturn:
             await send({**start, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
-        engines: list[str] = []
+        engines = ADMITTED.get()  # FailureMarks' list, when it runs outside this one
+        if engines is None:
+            engines = []
         try:
             with bound(ASKED, asked), bound(HELD, admitted), bound(REFUSED, refused):
                 with bound(RESULTS_IN_FLIGHT, self.in_flight), bound(ADMITTED, engines):
