@@ -275,8 +275,8 @@ class SteerConsumer(Consumer):
             if self.acts_on(req):
                 try:  # checked at admission; a vector removed since then fails here
                     state = req.settings(self)
-                    for v in [v for v in self.vectors if _uses(state, v)]:
-                        scale = self._scale_of(state, v)  # the model's dtype is known here only
+                    for v in self.vectors:  # the model's dtype is known here only
+                        scale = self._scale_of(state, v) if _uses(state, v) else None
                         if scale is not None and (why := self._overflow(scale, v.largest)):
                             raise ValueError(f"vector {v.entry.name or '(unnamed)'}: scale {why}")
                 except ValueError as e:  # that request unsteered, the others as asked

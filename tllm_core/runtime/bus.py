@@ -235,15 +235,17 @@ class Bus:
         if off:
             self.counters.add("consumers_disabled")
         if off or first:
-            why = (
-                "in its close, at the run's end"
-                if what == "close"
-                else "consumer disabled for the rest of the run: "
-                + ("failed in a background thread" if disable else f"{n} failures in a row")
-                if off
-                else f"the consumer goes on; it is disabled after {limit} failures in a row of "
-                f"one callback; its later errors are counted in consumer_errors.{name}, not logged"
-            )
+            if what == "close":
+                why = "in its close, at the run's end"
+            elif off:
+                why = "consumer disabled for the rest of the run: " + (
+                    "failed in a background thread" if disable else f"{n} failures in a row"
+                )
+            else:
+                why = (
+                    f"the consumer goes on; it is disabled after {limit} failures in a row of one "
+                    f"callback; its later errors are counted in consumer_errors.{name}, not logged"
+                )
             log.error("%s (%s)\n%s", msg, why, "".join(traceback.format_exception(e)))
             self.errors.append({"consumer": name, "where": what, "error": msg, "disabled": off})
 
