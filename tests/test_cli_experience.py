@@ -3,6 +3,7 @@ engine processes that end on their own, Ctrl-C that leaves valid results (issue 
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -217,6 +218,51 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     assert engine_processes(proc.pid) == []
     # No vLLM force kill of the engine processes, no leaked semaphores / shared memory.
     assert noise(stderr) == [], stderr[-4000:]
+
+
+def test_an_interrupted_run_keeps_the_text_its_unfinished_samples_had(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C mid-generation: each unfinished sample's text so far is kept (``partial_outputs``
+    in the JSON, the report and the text output), and is the start of what transformers
+    generates greedily from the same prompt (top-k 1: every sample is greedy). The command
+    runs in this process; the
+    interrupt comes from the engine's 8th step."""
+    from reference import hf_model
+    from transformers import AutoTokenizer
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from tllm_core.app import cli
+
+    step, calls = LLMEngine.step, []
+
+    def interrupted_step(engine, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:
+            raise KeyboardInterrupt
+        return step(engine, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "step", interrupted_step)
+    prompts = ["The sea is", "Once upon a time"]
+    argv = ["run", "--model", tiny_model, "--prompt", prompts[0], "--prompt", prompts[1]]
+    argv += ["-n", "2", "--max-tokens", "40", "--top-k", "1", "--ignore-eos", "--no-chat"]
+    argv += ["--json"]
+    argv += ["--consumer", "stats", "--report", str(tmp_path / "rep"), *SMALL_ENGINE]
+    assert cli.main(argv) == 130
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["run"]["interrupted"] is True
+    assert result["outputs"] == [[None, None], [None, None]]
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = hf_model(tiny_model)
+    for prompt, partial in zip(prompts, result["partial_outputs"], strict=True):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, min_new_tokens=40)
+        full = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        for text in partial:
+            assert text and full.startswith(text) and len(text) < len(full), (text, full)
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert "sample 1 (not finished)" in page
+    assert html.escape(result["partial_outputs"][1][1].strip()) in page
 
 
 def test_summary_names_each_consumers_proof_counter_and_export_progress(tmp_path):

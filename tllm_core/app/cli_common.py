@@ -435,6 +435,20 @@ def _outputs(
     return texts, results, tokens
 
 
+def _partial(
+    so_far: dict[str, dict[int, str]], first: int, texts: list[list[str | None]]
+) -> list[list[str | None]]:
+    """The text each unfinished sample of ``texts`` had when the run was cut short (None for
+    a finished one), from ``TllmLLM.unfinished_texts`` (request ids from ``first``)."""
+    partial: list[list[str | None]] = [[None] * len(ts) for ts in texts]
+    for rid, samples in so_far.items():
+        i = int(rid) - first
+        for j, text in samples.items():
+            if 0 <= i < len(texts) and 0 <= j < len(texts[i]) and texts[i][j] is None:
+                partial[i][j] = text
+    return partial
+
+
 def generate_with(
     args: argparse.Namespace,
     consumers: ConsumersArg,
@@ -517,6 +531,8 @@ def generate_with(
     texts, results, tokens = _outputs(done, first, len(texts_in), params.n)
     if asked:
         report["request_results"] = results
+    if interrupted or died is not None:
+        report["partial_outputs"] = _partial(llm.unfinished_texts, first, texts)
     proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
     line = run_line(tokens, seconds, report["consumers"], proofs)
     interrupted = interrupted or died is not None
@@ -543,7 +559,7 @@ def json_report(texts: list[list[str | None]], report: dict[str, Any]) -> dict[s
         "outputs": texts,
         "counters": {"runtime": report["runtime"], **report["consumers"]},
         "results": report.get("results", {}),
-        **({"request_results": report["request_results"]} if "request_results" in report else {}),
+        **{k: report[k] for k in ("request_results", "partial_outputs") if k in report},
         "errors": report.get("errors", []),
         "run": report.get("run", {}),
     }
@@ -568,10 +584,15 @@ def print_report(
         for warning in summarize(report).warnings:  # stderr: stdout is the one JSON
             say(f"warning: {warning}")
         return
+    partial = report.get("partial_outputs") or [[]] * len(texts)
     for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
         for j, t in enumerate(samples):
-            print(f"--- sample {j}\n{t.strip() if t is not None else '(not finished)'}")
+            if t is None:  # cut short: the text it had, if any
+                so_far = partial[i][j] if j < len(partial[i]) else None
+                print(f"--- sample {j} (not finished)\n{(so_far or '').strip()}")
+            else:
+                print(f"--- sample {j}\n{t.strip()}")
     if counters:
         print("\n=== counters")
         for group, values in json_report(texts, report)["counters"].items():

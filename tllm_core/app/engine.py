@@ -30,7 +30,12 @@ from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra
 from tllm_core.vllm_bridge import WORKER_EXTENSION
 from tllm_core.vllm_bridge.engine_watch import LEFTOVER_GRACE_S, EngineDiedError, EngineWatch
 from tllm_core.vllm_bridge.families import check_model
-from tllm_core.vllm_bridge.lifecycle import abort_unfinished, shutdown_engine, unfinished_ids
+from tllm_core.vllm_bridge.lifecycle import (
+    abort_unfinished,
+    shutdown_engine,
+    texts_so_far,
+    unfinished_ids,
+)
 from tllm_core.vllm_bridge.nodes import announce_stop, leader_store
 from tllm_core.vllm_bridge.offline import chat_with_salts
 from tllm_core.vllm_bridge.parallel import bind_cpu_threads
@@ -214,6 +219,9 @@ class TllmLLM:
         self._checked = checked  # told if a fault stops the engine (tllm_run_failed)
         self._died: EngineDiedError | None = None  # the error a fault was reported as
         self._failure_told = False
+        # An interrupted or failed generate/chat's unfinished samples: the text each had
+        # (request id -> sample index -> text), read before their abort.
+        self.unfinished_texts: dict[str, dict[int, str]] = {}
         note = NoteFile("tllm-start-")  # why the engine refused to start (start_error.py)
         self._fault_note = NoteFile("tllm-fault-")  # a hung callback's report (watchdog.py)
         # Removed with this object (or at exit) when no one calls close or shutdown.
@@ -345,6 +353,7 @@ class TllmLLM:
             sp.extra_args = {"tllm_prompt_index": i, **(sp.extra_args or {}), SAMPLES_KEY: sp.n}
             tagged.append(sp)
             salts.append(request_salt(sp.extra_args, can_change_kv=edits))
+        self.unfinished_texts = {}
         try:
             with self._naming_a_dead_engine():
                 if chat:
@@ -353,8 +362,11 @@ class TllmLLM:
                     prompts = [_salted(p, s) for p, s in zip(items, salts, strict=True)]
                     outputs = self.llm.generate(prompts, tagged, **kwargs)
         except BaseException:
-            # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more.
+            # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more,
+            # keeping the text their samples have so far.
             ids = None
+            with contextlib.suppress(Exception):
+                self.unfinished_texts = texts_so_far(self.llm)
             with contextlib.suppress(Exception):
                 ids = unfinished_ids(self.llm)
                 # First mark them (their records then say "not finished"), then abort.

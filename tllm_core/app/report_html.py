@@ -164,11 +164,14 @@ def write_report(run: dict[str, Any], out_dir: Path) -> Path:
         )
     outputs, runner = run.get("outputs", []), run.get("run", {}).get("runner")
     prompts, parts = run.get("prompts") or [], []
+    partial = run.get("partial_outputs")
     for i, samples in enumerate(outputs):
         prompt = prompts[i] if i < len(prompts) else f"prompt {i}"
         cards = "".join(
-            f'<div class="sample"><div class="label">sample {j}</div>'
-            f'<div class="text">{_esc(t.strip() if t is not None else "(not finished)")}</div></div>'
+            f'<div class="sample"><div class="label">sample {j}'
+            f"{'' if t is not None else ' (not finished)'}</div>"
+            f'<div class="text">{_esc((t if t is not None else _so_far(partial, i, j)).strip())}'
+            "</div></div>"
             for j, t in enumerate(samples)
         )
         parts.append(
@@ -235,3 +238,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "--out", type=Path, metavar="DIR", help="folder (default: RUN-report beside RUN.json)"
     )
     r.set_defaults(func=cmd_report)
+
+
+def _so_far(partial: Any, i: int, j: int) -> str:
+    """Sample ``j`` of prompt ``i`` in a run's ``partial_outputs`` (text it had when cut
+    short), or "" (none, or not a list of lists of texts: the file may be anyone's)."""
+    try:
+        text = partial[i][j]
+    except (TypeError, IndexError, KeyError):
+        return ""
+    return text if isinstance(text, str) else ""

@@ -55,6 +55,18 @@ def unfinished_ids(llm: Any) -> list[str]:
     return list(getattr(llm.llm_engine.output_processor, "external_req_ids", {}) or {})
 
 
+def texts_so_far(llm: Any) -> dict[str, dict[int, str]]:
+    """The text each unfinished sample of ``llm`` has so far (what vLLM would stream): the
+    caller's request id -> sample index -> text. Read before an abort, which drops them."""
+    texts: dict[str, dict[int, str]] = {}
+    for state in list(llm.llm_engine.output_processor.request_states.values()):
+        parent = state.parent_req  # a sample of n > 1: its request's id is the parent's
+        rid = state.external_req_id if parent is None else parent.external_req_id
+        text = state.detokenizer.get_next_output_text(finished=False, delta=False)
+        texts.setdefault(str(rid), {})[int(state.request_index)] = text
+    return texts
+
+
 def abort_unfinished(llm: Any, ids: list[str] | None = None) -> int:
     """Abort the external requests ``ids`` (None: every one still tracked); how many."""
     ids = unfinished_ids(llm) if ids is None else ids
