@@ -111,6 +111,21 @@ def test_esamp_trains_guides_and_changes_text(tiny_model, engines, plain_tokens)
     assert es["nonfinite_losses_skipped"] == 0
     assert es["optimizer_steps"] <= es["rows_trained"]
     assert rep["errors"] == []
+    assert rep["runtime"]["rows_without_candidates"] == 0  # ESamp never empties a row
+
+
+def test_a_guide_that_leaves_rows_nothing_to_draw_from_is_counted(tiny_model, engines):
+    """``emptier`` writes -inf over every candidate of sample 1's rows: the runtime counts
+    each such sampling row once (one pass over the logits after the guides, on the device)."""
+    from vllm import SamplingParams
+
+    llm = _tllm(engines, tiny_model, ["emptier"])
+    params = SamplingParams(n=2, max_tokens=3, seed=5, top_k=20, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [3] * 4
+    rep = llm.collect()
+    emptied = rep["consumers"]["emptier"]["rows_emptied"]
+    assert rep["runtime"]["rows_without_candidates"] == emptied == 2 * 3  # prompts x tokens
 
 
 def test_samples_scheduled_one_at_a_time_share_one_distiller(tiny_model, engines):

@@ -72,6 +72,17 @@ def test_v2_capture_logits_chunked_prefill_n2_and_esamp_guidance(tiny_model):
     assert rt["rows_guided"] <= rt["candidates_guided"] <= 20 * rt["rows_guided"]
 
 
+def test_v2_counts_rows_a_guide_left_nothing_to_draw_from(tiny_model):
+    args = ["run", "--model", tiny_model, "--prompt", "Once upon a time", "-n", "2"]
+    args += ["--max-tokens", "2", "--top-k", "20", "--ignore-eos", "--consumer", "emptier"]
+    proc = run_cli(*args, "--json", *ENGINE, env=v2_env())
+    out = cli_json(proc)
+    assert out["run"]["runner"].startswith("V2 runner"), out["run"]["runner"]
+    emptied = out["counters"]["emptier"]["rows_emptied"]
+    assert out["counters"]["runtime"]["rows_without_candidates"] == emptied == 2
+    assert "2 sampling row(s) left with nothing to draw from" in proc.stderr
+
+
 @pytest.mark.slow  # three interpreted V2 engines (~100 s); the default suite guides on V2 above
 def test_v2_beta_zero_leaves_sampling_identical_and_guidance_changes_it(tiny_model):
     args = ["run", "--model", tiny_model, "--prompt", "Once upon a time", "-n", "2"]

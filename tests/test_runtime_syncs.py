@@ -223,8 +223,9 @@ def test_guided_counts_made_in_inference_mode_are_drained_outside_it():
     for _ in range(2):
         with torch.inference_mode():
             counts.add(torch.tensor([0, 3, 1]))
-        assert counts.drain() == (2, 4)
-    assert counts.drain() == (0, 0)
+            counts.add_empty(torch.tensor([0.5, float("-inf"), float("nan"), float("inf")]))
+        assert counts.drain() == (2, 4, 3)
+    assert counts.drain() == (0, 0, 0)
 
 
 @pytest.mark.parametrize("phase", [Phase.DECODE, Phase.GUIDE])

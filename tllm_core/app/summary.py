@@ -105,6 +105,11 @@ def runtime_warnings(runtime: dict[str, Any], names: list[str]) -> list[str]:
             "so guiding consumers left those steps alone (sample with temperature > 0 to guide "
             "them)",
         ),
+        (
+            "rows_without_candidates",
+            "{} sampling row(s) left with nothing to draw from by the guides (every logit "
+            "-inf, or a NaN): vLLM drew an arbitrary token for each",
+        ),
         ("stale_captures", "{} stale capture(s): those reads were not delivered"),
         ("flush_timeouts", "{} waits for a background consumer timed out (flush_timeouts)"),
         (

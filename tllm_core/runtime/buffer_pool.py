@@ -149,33 +149,46 @@ class StepIndices:
 
 
 class GuidedCounts:
-    """``rows_guided`` and ``candidates_guided`` summed per device without a host read (one per
-    step would stall the host until the step's kernels finish); read at :meth:`drain`."""
+    """``rows_guided``, ``candidates_guided`` and ``rows_without_candidates`` summed per device
+    without a host read (one per step would stall the host until the step's kernels finish);
+    read at :meth:`drain`."""
 
     def __init__(self, pool: BufferPool | None = None) -> None:
         self._pool = pool
-        # Per device: the two totals, then the two sums of the view being added.
+        # Per device: the three totals, then a scratch sum per total.
         self._totals: dict[torch.device, torch.Tensor] = {}
+
+    def _total(self, device: torch.device) -> torch.Tensor:
+        total = self._totals.get(device)
+        if total is None:
+            total = self._totals[device] = torch.zeros(6, dtype=torch.long, device=device)
+        return total
+
+    def _mask(self, like: torch.Tensor) -> torch.Tensor | None:
+        return None if self._pool is None else self._pool.take(like.shape, torch.bool, like.device)
 
     def add(self, changed_per_row: torch.Tensor) -> None:
         """Add one view's ``changed_per_row`` (int64 ``[R]``, on its device)."""
-        c = changed_per_row
-        total = self._totals.get(c.device)
-        if total is None:
-            total = self._totals[c.device] = torch.zeros(4, dtype=torch.long, device=c.device)
-        out = None if self._pool is None else self._pool.take(c.shape, torch.bool, c.device)
-        mask = torch.gt(c, 0, out=out)
-        torch.sum(mask, 0, out=total[2])
-        torch.sum(c, 0, out=total[3])
-        total[:2].add_(total[2:])
+        c, total = changed_per_row, self._total(changed_per_row.device)
+        torch.sum(torch.gt(c, 0, out=self._mask(c)), 0, out=total[3])
+        torch.sum(c, 0, out=total[4])
+        total[:2].add_(total[3:5])
 
-    def drain(self) -> tuple[int, int]:
-        """``(rows_guided, candidates_guided)`` since the last drain (a host read per device)."""
-        rows = candidates = 0
+    def add_empty(self, row_max: torch.Tensor) -> None:
+        """Add the rows whose largest logit ``row_max`` (``[R]``, after the guides) is not
+        finite: every logit ``-inf``, or a NaN or ``+inf`` (``row_max`` is overwritten)."""
+        total = self._total(row_max.device)
+        finite = torch.lt(row_max.abs_(), float("inf"), out=self._mask(row_max))
+        torch.sum(finite.logical_not_(), 0, out=total[5])
+        total[2].add_(total[5])
+
+    def drain(self) -> tuple[int, int, int]:
+        """``(rows_guided, candidates_guided, rows_without_candidates)`` since the last drain
+        (a host read per device)."""
+        sums = [0, 0, 0]
         for total in self._totals.values():
-            r, c = total[:2].cpu().tolist()
-            rows, candidates = rows + r, candidates + c
+            sums = [a + b for a, b in zip(sums, total[:3].cpu().tolist(), strict=True)]
         # Dropped, not zeroed: a total made in the sampler is an inference tensor, which
         # may not be changed in place outside inference mode.
         self._totals.clear()
-        return rows, candidates
+        return sums[0], sums[1], sums[2]

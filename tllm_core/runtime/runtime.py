@@ -433,6 +433,10 @@ class Runtime:
                 if sel is not None:
                     sel.write_back(logits, view, self._buffers)
                 changed = True
+        if changed and is_random.any():  # greedy rows took vLLM's argmax before the guides
+            row_max = self._buffers.pool.take((len(logits),), logits.dtype, logits.device)
+            torch.amax(logits, -1, out=row_max)
+            self._guided.add_empty(self._buffers.gather(row_max, np.flatnonzero(is_random)))
         return changed
 
     def _guide_rows(self, step: StepCapture, r: PortRead) -> torch.Tensor:
@@ -569,9 +573,10 @@ class Runtime:
     def collect(self) -> dict[str, Any]:
         self._settle(wait=True)
         self.bus.flush()
-        rows, candidates = self._guided.drain()
+        rows, candidates, empty = self._guided.drain()
         self.counters.add("rows_guided", rows)
         self.counters.add("candidates_guided", candidates)
+        self.counters.add("rows_without_candidates", empty)
         consumers = {}
         results = {}
         for s in self.slots:

@@ -1,5 +1,6 @@
 """A third-party plugin, as a separate package would ship it: consumers (``recorder`` records
-every row it sees; ``tally`` has its own per-request key ``tllm_tally_weight``) and a ``tllm``
+every row it sees; ``tally`` has its own per-request key ``tllm_tally_weight``; ``crasher``,
+``hang`` and ``emptier`` misbehave on purpose) and a ``tllm``
 subcommand (``tllm recorder-hello``). Nothing under ``tllm_core/`` names any of them."""
 
 from __future__ import annotations
@@ -116,6 +117,30 @@ class Crasher(Consumer):
             raise RuntimeError("crasher: deliberate failure")
 
 
+class Emptier(Consumer):
+    """Writes ``-inf`` over every candidate of the rows of sample ``sample``: a guide that
+    leaves vLLM nothing to draw from, which the runtime counts (``rows_without_candidates``)."""
+
+    name = "emptier"
+    description = "Test consumer: leaves the rows of one sample of n without a candidate."
+
+    class Config(ConsumerConfig):
+        sample: int = Field(1, ge=0, description="the sample index whose rows it empties")
+
+    def writes(self):
+        return [SamplerGuide()]
+
+    def guide(self, view):
+        import torch
+
+        cand = view.candidates()
+        mine = torch.from_numpy(view.rows.sample_index == self.config.sample)
+        entries = mine.to(cand.rows.device)[cand.rows].nonzero().flatten()
+        sampling = (view.rows.sample_index == self.config.sample) & view.is_random
+        self.counters.add("rows_emptied", int(sampling.sum()))
+        view.update_candidates(entries, torch.full((len(entries),), float("-inf")))
+
+
 class HangConfig(ConsumerConfig):
     callback: str = Field(
         "on_bundle",
@@ -220,7 +245,7 @@ def hello(args) -> int:
 
 @hookimpl
 def tllm_consumers():
-    return [Recorder, Crasher, Tally, Hang]
+    return [Recorder, Crasher, Tally, Hang, Emptier]
 
 
 @hookimpl
