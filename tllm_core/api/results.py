@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,15 +84,27 @@ def encode(value: Any) -> Any:
     return value
 
 
-# How strict JSON carries the floats it has no numbers for (the server's json_safe).
-NON_FINITE = frozenset({"NaN", "Infinity", "-Infinity"})
+# How strict JSON carries the floats it has no numbers for: json_safe writes, decode reads.
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as the strings of :data:`NON_FINITE` (strict JSON has
+    no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def decode_results(value: Any) -> Any:
     """The inverse of :func:`encode`: each encoded array becomes a writable NumPy array, and
     the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` the floats they stand for."""
     if isinstance(value, str) and value in NON_FINITE:
-        return float(value)
+        return NON_FINITE[value]
     if isinstance(value, Mapping):
         if set(value) == ARRAY_FIELDS:
             raw = base64.b64decode(value["b64"])

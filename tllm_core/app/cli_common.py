@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from tllm_core.api.request_settings import RESULTS_KEY, allowed, error_words
+from tllm_core.api.results import json_safe
 from tllm_core.app import default_model
 from tllm_core.app.defaults import DEFAULT_DTYPE, KV_ENV, kv_cache_gib
 from tllm_core.app.progress import RunProgress, say
@@ -28,7 +29,6 @@ from tllm_core.app.report_html import check_out_dir, write_report
 from tllm_core.app.stop import exit_code
 from tllm_core.app.summary import count_text, run_line, summarize
 from tllm_core.runtime.model_config import read_model_config
-from tllm_core.runtime.reports import json_safe
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.errors import vllm_value_errors
 from tllm_core.vllm_bridge.quiet import install_if_quiet, quiet_env

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from tllm_core.api.plots import Plot
+from tllm_core.api.results import json_safe
 from tllm_core.app.progress import say
 from tllm_core.app.summary import Lookup, call_consumer, count_text, registry_lookup, summarize
-from tllm_core.runtime.reports import json_safe
 
 CSS = """
 body { font: 15px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1200px;

@@ -2,19 +2,7 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with non-finite floats as strings (strict JSON has no such numbers)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def sum_counters(parts: list[dict[str, Any]]) -> dict[str, Any]:

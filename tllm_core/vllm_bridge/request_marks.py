@@ -14,8 +14,13 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
-from tllm_core.api.results import PlannedRequest, asked_results, merge_taken, with_missing
-from tllm_core.runtime.reports import json_safe
+from tllm_core.api.results import (
+    PlannedRequest,
+    asked_results,
+    json_safe,
+    merge_taken,
+    with_missing,
+)
 from tllm_core.runtime.request_results import STORE_RESULTS
 from tllm_core.serving.keys import EngineConsumers, result_bounds
 from tllm_core.serving.throttle import Throttle

@@ -27,7 +27,8 @@ from tllm_core.api.request_settings import (
     SAMPLES_KEY,
     short_repr,
 )
-from tllm_core.runtime.reports import json_safe, merge_reports
+from tllm_core.api.results import json_safe
+from tllm_core.runtime.reports import merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 from tllm_core.runtime.watchdog import read_note
 from tllm_core.serving.guard import (
