@@ -13,12 +13,13 @@ def _phase(text: str) -> str:
     from pydantic import ValidationError
 
     from consumers.export.consumer import ExportConfig
-    from tllm_core.api.request_settings import message
 
     try:
         ExportConfig(out=None, phase=text)  # the config's own check, one definition
     except ValidationError as e:
-        raise argparse.ArgumentTypeError(f"--phase {text!r}: {message(e.errors()[0])}") from None
+        err = e.errors()[0]
+        said = (err.get("ctx") or {}).get("error", err["msg"])  # the validator's own words
+        raise argparse.ArgumentTypeError(f"--phase {text!r}: {said}") from None
     return text
 
 

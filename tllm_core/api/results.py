@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -85,7 +86,7 @@ def encode(value: Any) -> Any:
 
 
 # How strict JSON carries the floats it has no numbers for: json_safe writes, decode reads.
-NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+NON_FINITE = MappingProxyType({"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf})
 
 
 def json_safe(value: Any) -> Any:
