@@ -218,6 +218,63 @@ def test_tllm_command_passes_the_working_plugins_to_its_processes(site, monkeypa
     assert seen["named"] == ["broken"]
 
 
+CLASHES = """
+from tllm_core import Consumer, hookimpl
+
+class MyStats(Consumer):
+    name = "stats"
+
+@hookimpl
+def tllm_consumers():
+    return [MyStats]
+
+@hookimpl
+def tllm_commands(subparsers):
+    subparsers.add_parser("clash-cmd", help="a command of the clashing plugin")
+"""
+
+
+def test_a_consumer_name_clash_is_named_once_by_the_command_before_anything_starts(
+    site, monkeypatch
+):
+    """Found when its consumers are collected (not at import): the command names it once,
+    in its own words, leaves its commands out and keeps it from the engine processes."""
+    from tllm_core.app import cli
+
+    install(site, "tllm-clash", {"clash": CLASHES})
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_run", lambda args: seen.setdefault("env", os.environ[ALLOW_ENV]))
+    monkeypatch.setattr(cli, "print_broken", lambda b: seen.setdefault("named", []).append(b))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TllmPluginWarning)  # no Python warning besides
+        cli.main(["run"])
+    [broken] = seen["named"]
+    assert broken.name == "clash" and "clash" not in seen["env"].split(",")
+    assert (
+        "consumer name 'stats' is taken by plugin 'consumers' (consumers.stats.StatsConsumer); "
+        "fake_clash_plugin.MyStats needs another name"
+    ) in broken.error
+    with pytest.raises(SystemExit):
+        cli.main(["clash-cmd"])
+
+
+def test_one_plugin_registering_one_name_twice_is_told_so():
+    from tllm_core import Consumer, hookimpl
+
+    def named(cls_name: str) -> type[Consumer]:
+        return type(cls_name, (Consumer,), {"name": "twice"})
+
+    class Plugin:
+        @hookimpl
+        def tllm_consumers(self):
+            return [named("First"), named("Second")]
+
+    reg = Registry()
+    with pytest.raises(ValueError, match="plugin 'mine' registers two consumers named 'twice'"):
+        reg.register(Plugin(), "mine")
+    assert "twice" not in reg.names
+
+
 def test_the_allow_list_set_by_the_command_is_undone(site):
     assert ALLOW_ENV not in os.environ  # the test above's main() changed it under monkeypatch
 

@@ -22,6 +22,7 @@ from tllm_core.app.cli_common import (
 from tllm_core.app.report_html import add_command as add_report_command
 from tllm_core.app.serve_command import add_command as add_serve_command
 from tllm_core.plugins.loader import ALLOW_ENV, BrokenPlugin, Plugins
+from tllm_core.plugins.registry import Registry
 from tllm_core.vllm_bridge.engine_watch import EngineDiedError
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.quiet import install_if_quiet
@@ -128,6 +129,9 @@ def _drop_commands(sub: argparse._SubParsersAction, names: set[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     plugins = Plugins.load(on_broken=print_broken)
+    # Consumers collected now: a name clash or a failing hook is named here, once, and the
+    # plugin skipped before its commands are added.
+    Registry(plugins=plugins)
     parser = build_parser(plugins)
     if plugins.broken and ALLOW_ENV not in os.environ:
         # This process's later registries and its engine processes load only these.

@@ -41,6 +41,7 @@ class Registry:
         self.plugins = plugins or Plugins.load(load_entry_points)
         self.pm = self.plugins.pm
         self._classes: dict[str, type[Consumer]] = {}
+        self._owners: dict[str, str] = {}  # consumer name -> the plugin that registered it
         self._producers: dict[type[ReadPort], Producer] = {}
         self.architectures = Architectures()
         for name in self.plugins.loaded:
@@ -56,11 +57,11 @@ class Registry:
     @contextlib.contextmanager
     def _all_or_nothing(self) -> Iterator[None]:
         """The registry as it was before, if the body fails."""
-        saved = dict(self._classes), dict(self._producers), self.architectures
+        saved = dict(self._classes), dict(self._owners), dict(self._producers), self.architectures
         try:
             yield
         except BaseException:
-            self._classes, self._producers, self.architectures = saved
+            self._classes, self._owners, self._producers, self.architectures = saved
             raise
 
     def _collect(self, plugin_name: str) -> None:
@@ -69,7 +70,7 @@ class Registry:
             for classes in self._call(self.pm.hook.tllm_producers, plugin_name):
                 self._add_producers(classes)
             for classes in self._call(self.pm.hook.tllm_consumers, plugin_name):
-                self._add(classes)
+                self._add(classes, plugin_name)
             specs = self._call(self.pm.hook.tllm_architectures, plugin_name)
             if specs:
                 merged = copy.deepcopy(self.architectures)
@@ -83,17 +84,14 @@ class Registry:
         results = (i.function() for i in hook.get_hookimpls() if i.plugin_name == plugin_name)
         return [r for r in results if r is not None]
 
-    def _add(self, classes: Iterable[type]) -> None:
+    def _add(self, classes: Iterable[type], plugin: str = "") -> None:
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, Consumer)) or not cls.name:
                 raise TypeError(f"plugin returned {cls!r}: expected a named Consumer subclass")
             if not re.fullmatch(r"[\w.-]+", cls.name):  # specs split at ':', tllm_consumers at ','
                 raise ValueError(f"consumer {cls.name!r}: name it with letters, digits, _ . -")
             if cls.name in self._classes and self._classes[cls.name] is not cls:
-                raise ValueError(
-                    f"two plugins register a consumer named {cls.name!r}: "
-                    f"{self._classes[cls.name].__module__} and {cls.__module__}"
-                )
+                raise ValueError(self._clash(cls, plugin))
             req = cls.Request
             if req is not None and not (isinstance(req, type) and issubclass(req, RequestSettings)):
                 raise TypeError(
@@ -110,6 +108,7 @@ class Registry:
                         f"already used by {by}; rename the field"
                     )
             self._classes[cls.name] = cls
+            self._owners[cls.name] = plugin
 
     def register(self, plugin: object, name: str | None = None) -> None:
         """Register a plugin at run time (tests, notebooks); an error leaves the registry as it was."""
@@ -169,6 +168,21 @@ class Registry:
         if name.is_residual:
             return HiddenStates(int(name.layer), phase)  # type: ignore[arg-type]
         return prefixes[name.prefix](int(name.layer), phase)  # type: ignore[arg-type, call-arg]
+
+    def _clash(self, cls: type[Consumer], plugin: str) -> str:
+        """Why ``cls`` cannot be registered: its name is another class's."""
+        old, owner = self._classes[cls.name], self._owners.get(cls.name, "")
+
+        def where(c: type) -> str:
+            return f"{c.__module__}.{c.__qualname__}"
+
+        if owner == plugin:
+            by = f"plugin {plugin!r}" if plugin else "a run-time plugin"
+            return f"{by} registers two consumers named {cls.name!r}: {where(old)} and {where(cls)}"
+        return (
+            f"consumer name {cls.name!r} is taken by plugin {owner!r} ({where(old)}); "
+            f"{where(cls)} needs another name"
+        )
 
     def use(self, cls: type[Consumer]) -> None:
         """Serve consumer ``cls.name`` by ``cls``, replacing one of that name (the test kit)."""
