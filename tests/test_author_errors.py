@@ -80,6 +80,21 @@ class GuideOnly(Consumer):
         return [HiddenStates(0, Phase.GUIDE)]
 
 
+class Swapped(Consumer):
+    """A write port in reads() and a read port in writes()."""
+
+    name = "swapped"
+
+    class Config(ConsumerConfig):
+        method: str = "reads"
+
+    def reads(self):
+        return [ResidualEdit(1)] if self.config.method == "reads" else []
+
+    def writes(self):
+        return [HiddenStates(1)] if self.config.method == "writes" else []
+
+
 class Broken(Consumer):
     name = "broken"
 
@@ -90,7 +105,7 @@ class Broken(Consumer):
 
 def _registry() -> Registry:
     plugin = types.ModuleType("author_errors_plugin")
-    plugin.tllm_consumers = hookimpl(lambda: [AtLayer, PortOnly, Broken, GuideOnly])
+    plugin.tllm_consumers = hookimpl(lambda: [AtLayer, PortOnly, Broken, GuideOnly, Swapped])
     reg = Registry()
     reg.register(plugin)
     return reg
@@ -143,6 +158,32 @@ def test_a_guide_time_port_without_a_guide_is_refused_at_build(tiny_model):
         "consumer 'guide_only': read port HiddenStates(layer=0, phase=<Phase.GUIDE"
     )
     assert "declares no SamplerGuide" in msg
+
+
+def test_a_port_declared_in_the_wrong_method_is_named_with_where_it_goes(tiny_model):
+    from tllm_core.app.engine import validate_consumers
+
+    for method, other, port in (("reads", "writes", "ResidualEdit"), ("writes", "reads", "Hidden")):
+        with pytest.raises(ValueError) as e:
+            spec = f'swapped:{{"method": "{method}"}}'
+            validate_consumers([spec], tiny_model, registry=_registry())
+        msg = str(e.value)
+        assert msg.startswith(f"consumer 'swapped': {method}() returned {port}"), msg
+        assert msg.endswith(f"declare it in {other}()") and "meta" not in msg, msg
+
+
+def test_a_key_no_port_captured_is_named_with_those_captured():
+    import torch
+
+    from tllm_core.api.bundles import Bundle
+
+    rows = types.SimpleNamespace()
+    bundle = Bundle(step=0, rows=rows, hidden={"layer.1": torch.zeros(1)})
+    with pytest.raises(KeyError, match=r"'layer.2' is not captured .*\['layer.1'\]\); declare"):
+        bundle.hidden["layer.2"]
+    with pytest.raises(KeyError, match=r"'logits' is not captured in this step \(captured: \[\]"):
+        bundle.per_sample["logits"]
+    assert bundle.logits is None  # the properties still answer None
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -21,15 +21,28 @@ from tllm_core.api.candidates import (
 from tllm_core.api.rows import RowInfo
 
 
+class Captured(dict):
+    """A step's tensors by port key; a key not captured raises a ``KeyError`` that says so."""
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        raise KeyError(
+            f"{key!r} is not captured in this step (captured: {sorted(self)}); declare a read "
+            "port with that key in reads() (its phase chooses the steps it is captured in)"
+        )
+
+
 @dataclass
 class Bundle:
     """One step's data of a consumer's read ports (docs/ports.md, "Read ports")."""
 
     step: int
     rows: RowInfo
-    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
+    hidden: dict[str, torch.Tensor] = field(default_factory=Captured)
     sampled_rows: RowInfo | None = None
-    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+    per_sample: dict[str, torch.Tensor] = field(default_factory=Captured)
+
+    def __post_init__(self) -> None:
+        self.hidden, self.per_sample = Captured(self.hidden), Captured(self.per_sample)
 
     @property
     def logits(self) -> torch.Tensor | None:
@@ -65,7 +78,7 @@ class GuideView:
         self.temperature = temperature
         self.is_random = is_random
         self.filtered = filtered
-        self._hidden = hidden
+        self._hidden = Captured(hidden)
         if changed is None:  # logits changed per row, counted on the device
             changed = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         else:
@@ -109,13 +122,7 @@ class GuideView:
 
     def hidden(self, key: str) -> torch.Tensor:
         """A token port's data at the sampling rows, ``[R, H]``; ``KeyError`` if not read."""
-        try:
-            return self._hidden[key]
-        except KeyError:
-            raise KeyError(
-                f"{key!r} is not captured in this step; declare a read port with that key "
-                f"(captured: {sorted(self._hidden)})"
-            ) from None
+        return self._hidden[key]
 
     def candidates(self) -> Candidates:
         """The surviving (row, token) entries (one scan of the logits, cached until a write)."""

@@ -131,6 +131,21 @@ class WritePort:
     """Base of write ports."""
 
 
+class PortDeclarationError(TypeError):
+    """``reads()`` or ``writes()`` returned something that is no port of that kind."""
+
+    def __init__(self, method: str, port: Any):
+        kind, wanted, other = (
+            ("read", ReadPort, "write") if method == "reads" else ("write", WritePort, "read")
+        )
+        hint = ""
+        if isinstance(port, WritePort if kind == "read" else ReadPort):
+            hint = f"; it is a {other} port: declare it in {other}s()"
+        super().__init__(
+            f"{method}() returned {port!r}, which is not a {kind} port ({wanted.__name__}){hint}"
+        )
+
+
 @dataclass(frozen=True)
 class Edit(WritePort):
     """Write port: edit token port ``target`` in :meth:`Consumer.edit` (docs/ports.md, "Edit")."""

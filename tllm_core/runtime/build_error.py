@@ -6,7 +6,7 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-from tllm_core.api.ports import resolve_layer
+from tllm_core.api.ports import PortDeclarationError, resolve_layer
 
 # Where a build runs, for messages.
 DRY = "dry"  # the front end's build on the meta device, from config.json, before vLLM starts
@@ -73,7 +73,8 @@ def explain(
             f"consumer {name!r}: {what} is out of range: the model{at} has {n} decoder "
             f"layers (valid: {-n}..{n - 1}, negative counts from the end)",
         )
-    if isinstance(e, ValueError):  # the consumer's own refusal of its settings
+    # The consumer's own refusal of its settings, or ports it declared wrongly.
+    if isinstance(e, (ValueError, PortDeclarationError)):
         return ConsumerBuildError(name, f"consumer {name!r}: {e}")
     if where == DRY:
         return ConsumerBuildError(

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tllm_core.api.bundles import Bundle, GuideView
-from tllm_core.api.ports import Phase, ReadPort
+from tllm_core.api.ports import Phase, PortDeclarationError, ReadPort
 from tllm_core.api.producer import Producer, TapRequest
 from tllm_core.api.rows import RequestInfo, RowInfo, row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
@@ -66,7 +66,7 @@ def plan_reads(
     plan = ReadPlan()
     for p in ports:
         if not isinstance(p, ReadPort):
-            raise TypeError(f"not a read port: {p!r}")
+            raise PortDeclarationError("reads", p)
         port = p.resolve(resolve_layer)
         table = plan.token if port.rows == "token" else plan.sample
         old = table.get(port.key)

@@ -25,7 +25,7 @@ from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.counters import Counters
 from tllm_core.api.edits import EditBuffers, EditPlan
 from tllm_core.api.port_names import tap_port_name
-from tllm_core.api.ports import Edit, Phase, SamplerGuide, resolve_layer
+from tllm_core.api.ports import Edit, Phase, PortDeclarationError, SamplerGuide, resolve_layer
 from tllm_core.api.producer import TapRequest
 from tllm_core.api.request_settings import WINDOW_FIELD, request_key
 from tllm_core.api.rows import RequestInfo, RowInfo, request_runs, row_mask
@@ -165,7 +165,7 @@ def _slot(
         elif isinstance(w, SamplerGuide):
             slot.guides = True
         else:
-            raise TypeError(f"consumer {spec.name!r}: not a write port: {w!r}")
+            raise PortDeclarationError("writes", w)
     guide_only = [r.port for r in reads.token.values() if r.phase is Phase.GUIDE]
     if guide_only and not slot.guides:
         raise ValueError(
