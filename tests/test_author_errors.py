@@ -262,15 +262,19 @@ def test_cli_exits_2_before_starting_vllm_on_build_errors(tiny_model, tmp_path):
 def test_json_runs_print_consumer_errors_on_stderr(capsys):
     from tllm_core.app.cli_common import exit_status, print_report
 
-    err = {"consumer": "c", "where": "guide", "error": "consumer 'c' raised in guide: X", "disabled": True}  # fmt: skip
-    report = {"runtime": {}, "consumers": {"c": {"n": 1}}, "results": {}, "errors": [err]}
+    first = {"consumer": "c", "where": "guide", "error": "consumer 'c' raised in guide: X", "disabled": False}  # fmt: skip
+    err = {**first, "disabled": True}
+    report = {"runtime": {"consumers_disabled": 1}, "consumers": {"c": {"n": 1}}, "results": {}}
+    report["errors"] = [first, err]
     for as_json in (True, False):
         print_report(["p"], [["t"]], report, as_json)
         out, errs = capsys.readouterr()
-        assert "ERROR: consumer 'c' raised in guide: X" in errs
+        said = "ERROR: consumer 'c' raised in guide: X"
+        assert f"{said}\n{said} (switched off for the rest of the run)\n" in errs, errs
+        assert "1 consumer(s) switched off after repeated failures: 'c'" in errs
         assert "ERROR" not in out
         if as_json:
-            assert json.loads(out)["errors"] == [err]
+            assert json.loads(out)["errors"] == [first, err]
     assert exit_status(report) == 1
 
 

@@ -27,7 +27,7 @@ from tllm_core.app.defaults import DEFAULT_DTYPE, KV_ENV, kv_cache_gib
 from tllm_core.app.progress import RunProgress, say
 from tllm_core.app.report_html import check_out_dir, write_report
 from tllm_core.app.stop import exit_code
-from tllm_core.app.summary import count_text, run_line, summarize
+from tllm_core.app.summary import count_text, error_text, run_line, summarize
 from tllm_core.runtime.model_config import read_model_config
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.errors import vllm_value_errors
@@ -574,7 +574,7 @@ def print_report(
 ) -> None:
     """Completions as text (or one JSON), then errors and the run's summary on stderr."""
     for e in report.get("errors", []):  # with --json too: stdout is then the JSON only
-        print(f"ERROR: {e['error']}", file=sys.stderr)
+        print(f"ERROR: {error_text(e)}", file=sys.stderr)
     if as_json:
         # Strict JSON: a NaN or infinite figure is written as a string, not as bare NaN.
         text = json.dumps(json_safe(json_report(texts, report)), default=str, allow_nan=False)

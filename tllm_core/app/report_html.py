@@ -15,7 +15,14 @@ from typing import Any
 from tllm_core.api.plots import Plot
 from tllm_core.api.results import json_safe
 from tllm_core.app.progress import say
-from tllm_core.app.summary import Lookup, call_consumer, count_text, registry_lookup, summarize
+from tllm_core.app.summary import (
+    Lookup,
+    call_consumer,
+    count_text,
+    error_text,
+    registry_lookup,
+    summarize,
+)
 
 CSS = """
 body { font: 15px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1200px;
@@ -148,7 +155,7 @@ def write_report(run: dict[str, Any], out_dir: Path) -> Path:
     items = [f"<li>{_esc(line)}</li>" for line in [summary.head, *summary.lines]]
     items += [f'<li class="warning">warning: {_esc(w)}</li>' for w in summary.warnings]
     items += [
-        f'<li class="warning">ERROR: {_esc(e.get("error", e))}</li>' for e in run.get("errors", [])
+        f'<li class="warning">ERROR: {_esc(error_text(e))}</li>' for e in run.get("errors", [])
     ]
     figures = []
     for name, plot in consumer_plots(run, lookup):

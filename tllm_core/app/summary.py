@@ -81,9 +81,21 @@ def call_consumer(cls: type | None, method: str, name: str, counters: Any, resul
         return []
 
 
-def runtime_warnings(runtime: dict[str, Any], names: list[str]) -> list[str]:
-    """Warnings from the runtime's counters (docs/counters.md)."""
+def error_text(error: Any) -> str:
+    """A consumer error of a report as one line (the one that switched it off says so)."""
+    if not isinstance(error, dict):  # a report file may be anyone's
+        return str(error)
+    off = " (switched off for the rest of the run)" if error.get("disabled") else ""
+    return f"{error.get('error', error)}{off}"
+
+
+def runtime_warnings(
+    runtime: dict[str, Any], names: list[str], errors: list[dict[str, Any]] = ()
+) -> list[str]:
+    """Warnings from the runtime's counters (docs/counters.md); ``errors`` (the report's) name
+    the consumers switched off."""
     out = []
+    off = sorted({str(e.get("consumer")) for e in errors if e.get("disabled")})
     for name in names:
         for key, what in (
             ("consumer_errors", "callback error(s) (see the errors above)"),
@@ -98,7 +110,11 @@ def runtime_warnings(runtime: dict[str, Any], names: list[str]) -> list[str]:
                 + (f"; {abandoned} queued bundle(s) dropped" if abandoned else "")
             )
     for key, text in (
-        ("consumers_disabled", "{} consumer(s) switched off after repeated failures"),
+        (
+            "consumers_disabled",
+            "{} consumer(s) switched off after repeated failures"
+            + (f": {', '.join(map(repr, off))}" if off else ""),
+        ),
         (
             "steps_greedy",
             "{} step(s) sampled every row greedily (temperature 0): vLLM calls no guide then, "
@@ -163,5 +179,5 @@ def summarize(report: dict[str, Any], lookup: Lookup | None = None) -> Summary:
             out.warnings.append(f"consumer {name!r} {idle} (all its counters are zero)")
         warnings = call_consumer(cls, "summary_warnings", name, counters, result)
         out.warnings += [f"{name}: {w}" for w in warnings]
-    out.warnings += runtime_warnings(runtime, list(consumers))
+    out.warnings += runtime_warnings(runtime, list(consumers), report.get("errors") or [])
     return out
