@@ -262,7 +262,8 @@ def test_a_guide_that_leaves_a_row_nothing_to_draw_is_named(tiny_model):
             view.update(rows, torch.full_like(view.logits, float("-inf")))
 
     kit = ConsumerKit(tiny_model, [BanAll])
-    with pytest.raises(ValueError, match=r"guide left sampling row 0 nothing to draw"):
+    said = r"the guides left sampling row 0 \(request '0', sample 0; guides: 'ban_all'\) nothing"
+    with pytest.raises(ValueError, match=said):
         kit.generate(["a b"], max_tokens=1, temperature=1.0, top_k=2)
 
 

@@ -244,15 +244,21 @@ def filter_logits(logits: torch.Tensor, params: list[Sampling]) -> tuple[torch.T
 
 
 def draw(
-    raw: torch.Tensor, guided: torch.Tensor, params: list[Sampling], gens: list[torch.Generator]
+    raw: torch.Tensor,
+    guided: torch.Tensor,
+    params: list[Sampling],
+    gens: list[torch.Generator],
+    rows: list[str] | None = None,
 ) -> torch.Tensor:
-    """Token per row: greedy rows the raw logits' argmax, random ones a draw from the guided."""
+    """Token per row: greedy rows the raw logits' argmax, random ones a draw from the guided
+    (``rows``: how an error names each row; the engine draws an arbitrary token instead)."""
     out = torch.empty(len(params), dtype=torch.int32)  # as vLLM's sampler gives them
     for i, p in enumerate(params):
         if p.greedy:
             out[i] = raw[i].argmax()
         elif not bool((probs := guided[i].softmax(-1)).isfinite().all()):  # vLLM: token 0
-            raise ValueError(f"guide left sampling row {i} nothing to draw (all -inf, NaN or +inf)")
+            row = f"sampling row {i}" + (f" ({rows[i]})" if rows else "")
+            raise ValueError(f"the guides left {row} nothing to draw (all -inf, NaN or +inf)")
         else:
             out[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
     return out
@@ -539,7 +545,12 @@ class ConsumerKit:
         if rand.any():  # vLLM's all-greedy batches never reach the guided sampler
             temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
             self.runtime.guide(step, guided, temps, rand, filtered)
-        tokens = draw(raw, guided, params, [r.generator for r, _ in sched])
+        guides = ", ".join(repr(s.consumer.name) for s in self.runtime.slots if s.guides)
+        named = [
+            f"request {r.info.request_id!r}, sample {r.info.sample_index}; guides: {guides}"
+            for r, _ in sched
+        ]
+        tokens = draw(raw, guided, params, [r.generator for r, _ in sched], named)
         for j, (r, _k) in enumerate(sched):
             if r.forced is not None and kept[j]:
                 tokens[j] = r.forced[len(r.output)]
