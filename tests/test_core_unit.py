@@ -56,6 +56,8 @@ def test_registry_lists_builtins_and_names_bad_values():
     assert {"stats", "export", "steer", "esamp"} <= set(reg.names)
     with pytest.raises(ConsumerSpecError, match=r"unknown consumer 'nope'; available: .*esamp"):
         reg.get("nope")
+    with pytest.raises(ConsumerSpecError, match=r"'esmap' \(did you mean 'esamp'\?\); available"):
+        reg.get("esmap")
     with pytest.raises(ConsumerSpecError, match="beta"):
         reg.validate(ConsumerSpec(name="esamp", config={"beta": -1}))
     with pytest.raises(ConsumerSpecError, match="betta"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -200,9 +201,11 @@ class Registry:
             return self._classes[name]
         except KeyError:
             skipped = "".join(f"; skipped: {b.message()}" for b in self.plugins.broken)
+            near = difflib.get_close_matches(str(name), self.names, n=1)
+            mean = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConsumerSpecError(
-                f"unknown consumer {name!r}; available: {', '.join(self.names) or '(none)'}"
-                f"{skipped}"
+                f"unknown consumer {name!r}{mean}; available: "
+                f"{', '.join(self.names) or '(none)'}{skipped}"
             ) from None
 
     def validate(self, spec: ConsumerSpec) -> ConsumerConfig:
