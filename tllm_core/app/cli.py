@@ -22,7 +22,6 @@ from tllm_core.app.cli_common import (
 from tllm_core.app.report_html import add_command as add_report_command
 from tllm_core.app.serve_command import add_command as add_serve_command
 from tllm_core.plugins.loader import ALLOW_ENV, BrokenPlugin, Plugins
-from tllm_core.plugins.registry import Registry
 from tllm_core.vllm_bridge.engine_watch import EngineDiedError
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.quiet import install_if_quiet
@@ -118,6 +117,9 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
         except Exception as e:  # noqa: BLE001 - a broken plugin must not stop `tllm --help`
             plugins.mark_broken(impl.plugin_name, f"{type(e).__name__}: {e}")
             _drop_commands(sub, set(sub.choices) - before)  # half made: none of its commands
+            continue
+        for name in set(sub.choices) - before:  # main() refuses it if its plugin breaks later
+            sub.choices[name].set_defaults(tllm_plugin=impl.plugin_name)
     return p
 
 
@@ -129,14 +131,23 @@ def _drop_commands(sub: argparse._SubParsersAction, names: set[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     plugins = Plugins.load(on_broken=print_broken)
-    # Consumers collected now: a name clash or a failing hook is named here, once, and the
-    # plugin skipped before its commands are added.
-    Registry(plugins=plugins)
     parser = build_parser(plugins)
+    args = parser.parse_args(argv)  # --help ends here, without importing torch
+    # The consumers collected now: a name clash or a failing hook is named here, once.
+    from tllm_core.plugins.registry import Registry  # imports torch
+
+    Registry(plugins=plugins)
     if plugins.broken and ALLOW_ENV not in os.environ:
         # This process's later registries and its engine processes load only these.
         os.environ[ALLOW_ENV] = ",".join(plugins.loaded)
-    args = parser.parse_args(argv)
+    owner = getattr(args, "tllm_plugin", None)
+    if owner is not None and not plugins.pm.has_plugin(owner):
+        print(
+            f"tllm: error: command {args.command!r} comes from plugin {owner!r}, which was "
+            "skipped (the warning above says why)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         stop.install()  # SIGTERM stops the command as Ctrl-C does, within a bound (stop.py)
         status = args.func(args)

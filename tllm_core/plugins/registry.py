@@ -219,10 +219,13 @@ class Registry:
             bad = {named.get(str(x["loc"][0]), str(x["loc"][0])) for x in e.errors() if x["loc"]}
             # Each bad field's bounds and words (what 0 or None means there), as listed.
             hint = "".join(
-                f"\n{n}: {allowed(f)}; {f.description or ''}" for n, f in fields.items() if n in bad
+                f"\n    {n}: {allowed(f)}; {f.description or ''}"
+                for n, f in fields.items()
+                if n in bad
             )
+            hint = f"\n  allowed:{hint}" if hint else ""
             if unknown := sorted(bad - set(fields)):
-                hint += f"\nunknown field(s) {', '.join(map(repr, unknown))}; consumer "
+                hint += f"\n  unknown field(s) {', '.join(map(repr, unknown))}; consumer "
                 hint += f"{spec.name!r} takes: {', '.join(fields) or '(no fields)'}"
             said = "".join(
                 f"\n  {'.'.join(map(str, x['loc'])) or '(config)'}: {short_text(message(x))}"
