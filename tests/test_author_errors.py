@@ -172,18 +172,27 @@ def test_a_port_declared_in_the_wrong_method_is_named_with_where_it_goes(tiny_mo
         assert msg.endswith(f"declare it in {other}()") and "meta" not in msg, msg
 
 
-def test_a_key_no_port_captured_is_named_with_those_captured():
-    import torch
+def test_a_key_no_port_captured_is_named_in_the_error_with_those_captured(tiny_model):
+    """``bundle.hidden`` is a plain dict (saved and loaded as one); a consumer's ``KeyError``
+    of a port key its bundle lacks is reported with the keys the bundle holds."""
+    from tllm_core.app.engine import ConsumerDisabledError
+    from tllm_core.testing import ConsumerKit
 
-    from tllm_core.api.bundles import Bundle
+    class WrongKey(Consumer):
+        name = "wrong_key"
 
-    rows = types.SimpleNamespace()
-    bundle = Bundle(step=0, rows=rows, hidden={"layer.1": torch.zeros(1)})
-    with pytest.raises(KeyError, match=r"'layer.2' is not captured .*\['layer.1'\]\); declare"):
-        bundle.hidden["layer.2"]
-    with pytest.raises(KeyError, match=r"'logits' is not captured in this step \(captured: \[\]"):
-        bundle.per_sample["logits"]
-    assert bundle.logits is None  # the properties still answer None
+        def reads(self):
+            return [HiddenStates(1)]
+
+        def on_bundle(self, bundle):
+            assert type(bundle.hidden) is dict
+            bundle.hidden["layer.2"]
+
+    kit = ConsumerKit(tiny_model, [WrongKey])
+    with pytest.raises(ConsumerDisabledError) as e:
+        kit.generate(["a b"], max_tokens=6, temperature=0.0)
+    said = "raised in on_bundle: KeyError: 'layer.2' ('layer.2' is not captured in this step "
+    assert said + "(captured: ['layer.1']); declare a read port" in str(e.value), str(e.value)
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,28 +21,15 @@ from tllm_core.api.candidates import (
 from tllm_core.api.rows import RowInfo
 
 
-class Captured(dict):
-    """A step's tensors by port key; a key not captured raises a ``KeyError`` that says so."""
-
-    def __missing__(self, key: str) -> torch.Tensor:
-        raise KeyError(
-            f"{key!r} is not captured in this step (captured: {sorted(self)}); declare a read "
-            "port with that key in reads() (its phase chooses the steps it is captured in)"
-        )
-
-
 @dataclass
 class Bundle:
     """One step's data of a consumer's read ports (docs/ports.md, "Read ports")."""
 
     step: int
     rows: RowInfo
-    hidden: dict[str, torch.Tensor] = field(default_factory=Captured)
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
     sampled_rows: RowInfo | None = None
-    per_sample: dict[str, torch.Tensor] = field(default_factory=Captured)
-
-    def __post_init__(self) -> None:
-        self.hidden, self.per_sample = Captured(self.hidden), Captured(self.per_sample)
+    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def logits(self) -> torch.Tensor | None:
@@ -53,6 +40,14 @@ class Bundle:
     def sampled_token_ids(self) -> torch.Tensor | None:
         """Sampled token ids of ``sampled_rows`` (port ``SampledTokens``), or None."""
         return self.per_sample.get("sampled")
+
+
+def not_captured(key: object, captured: Iterable[str]) -> str:
+    """Why ``key`` is not in a step's data (a bundle's, a guide view's)."""
+    return (
+        f"{key!r} is not captured in this step (captured: {sorted(captured)}); declare a read "
+        "port with that key in reads() (its phase chooses the steps it is captured in)"
+    )
 
 
 class GuideView:
@@ -78,7 +73,7 @@ class GuideView:
         self.temperature = temperature
         self.is_random = is_random
         self.filtered = filtered
-        self._hidden = Captured(hidden)
+        self._hidden = hidden
         if changed is None:  # logits changed per row, counted on the device
             changed = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         else:
@@ -122,7 +117,10 @@ class GuideView:
 
     def hidden(self, key: str) -> torch.Tensor:
         """A token port's data at the sampling rows, ``[R, H]``; ``KeyError`` if not read."""
-        return self._hidden[key]
+        try:
+            return self._hidden[key]
+        except KeyError:
+            raise KeyError(not_captured(key, self._hidden)) from None
 
     def candidates(self) -> Candidates:
         """The surviving (row, token) entries (one scan of the logits, cached until a write)."""

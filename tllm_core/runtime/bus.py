@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import re
 import threading
 import traceback
 from collections import OrderedDict
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tllm_core.api.bundles import Bundle
+from tllm_core.api.bundles import Bundle, not_captured
 from tllm_core.api.consumer import Consumer
 from tllm_core.api.counters import Counters
 from tllm_core.api.ports import Delivery
@@ -200,7 +201,7 @@ class Bus:
             with watch.watching(consumer.name, what, kind) if watch else contextlib.nullcontext():
                 fn(*args)
         except Exception as e:  # noqa: BLE001 - isolation is the point
-            self.fail(consumer, what, e, requests)
+            self.fail(consumer, what, e, requests, hint=_missing_port(e, args))
             return False
         if self._failures:  # a call that returns ends its callback's run of failures
             self._failures.pop((consumer.name, what), None)
@@ -213,12 +214,14 @@ class Bus:
         e: BaseException,
         requests: Iterable[RequestInfo] = (),
         disable: bool = False,
+        hint: str = "",
     ) -> None:
-        """Count ``e``; report the consumer's first error; switch it off after
-        ``max_consecutive_failures`` in a row, or when ``disable``; note ``requests``."""
+        """Count ``e``; report the consumer's first error (``hint``: what may explain it);
+        switch it off after ``max_consecutive_failures`` in a row, or when ``disable``; note
+        ``requests``."""
         name = consumer.name
         self.counters.add("consumer_errors", of=name)
-        msg = f"consumer {name!r} raised in {what}: {_words(e)}"
+        msg = f"consumer {name!r} raised in {what}: {_words(e)}{hint}"
         limit = self.settings.max_consecutive_failures
         with self._fail_lock:
             n = self._failures[(name, what)] = self._failures.get((name, what), 0) + 1
@@ -375,6 +378,21 @@ def _words(e: BaseException) -> str:
         return f"{type(e).__name__}: {e}"
     except Exception:  # noqa: BLE001
         return f"{type(e).__name__} (its message could not be read)"
+
+
+# What a port's bundle key looks like: '{prefix}.{layer}', 'final', or a sample port's key.
+_PORT_KEY = re.compile(r"[A-Za-z_]\w*\.-?\d+|final|logits|sampled")
+
+
+def _missing_port(e: Exception, args: tuple) -> str:
+    """For a ``KeyError`` of a port key that the bundle handed over lacks: which it holds."""
+    key = e.args[0] if isinstance(e, KeyError) and e.args else None
+    bundle = args[0] if args and isinstance(args[0], Bundle) else None
+    if bundle is None or not isinstance(key, str) or not _PORT_KEY.fullmatch(key):
+        return ""
+    if key in bundle.hidden or key in bundle.per_sample:
+        return ""
+    return f" ({not_captured(key, [*bundle.hidden, *bundle.per_sample])})"
 
 
 def _to_host(bundle: Bundle) -> Bundle:
