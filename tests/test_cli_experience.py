@@ -265,6 +265,36 @@ def test_an_interrupted_run_keeps_the_text_its_unfinished_samples_had(
     assert html.escape(result["partial_outputs"][1][1].strip()) in page
 
 
+def test_what_a_cut_short_request_had_is_read_per_sample_finished_or_not():
+    """vLLM keeps a finished sample of n > 1 in its request's aggregator until every sample
+    has finished (then no request state): it is read with its whole text, as finished; the
+    unfinished ones with their text so far; a state without a detokenizer as ''."""
+    from types import SimpleNamespace as NS
+
+    from tllm_core.app.cli_common import _cut_short
+    from tllm_core.vllm_bridge.lifecycle import texts_so_far
+
+    def det(text):
+        return NS(get_next_output_text=lambda finished, delta: text)
+
+    parent = NS(external_req_id="7", output_aggregator=[None, NS(index=1, text="done."), None])
+    states = {
+        "0_7-x": NS(parent_req=parent, external_req_id="7", request_index=0, detokenizer=det("ha")),
+        "2_7-x": NS(parent_req=parent, external_req_id="7", request_index=2, detokenizer=None),
+        "8-y": NS(parent_req=None, external_req_id="8", request_index=0, detokenizer=det("so")),
+    }
+    proc = NS(request_states=states, parent_requests={"7-x": parent})
+    cut = texts_so_far(NS(llm_engine=NS(output_processor=proc)))
+    assert cut == {
+        "7": {1: ("done.", True), 0: ("ha", False), 2: ("", False)},
+        "8": {0: ("so", False)},
+    }
+    texts = [[None, None, None], [None, None, None]]  # requests 7 and 8 (the run's first: 7)
+    partial = _cut_short(cut, 7, texts)
+    assert texts == [[None, "done.", None], [None, None, None]]
+    assert partial == [["ha", None, ""], ["so", None, None]]
+
+
 def test_summary_names_each_consumers_proof_counter_and_export_progress(tmp_path):
     from consumers.export.command import written
     from tllm_core.app.summary import run_line as summary

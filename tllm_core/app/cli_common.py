@@ -435,17 +435,18 @@ def _outputs(
     return texts, results, tokens
 
 
-def _partial(
-    so_far: dict[str, dict[int, str]], first: int, texts: list[list[str | None]]
+def _cut_short(
+    cut: dict[str, dict[int, tuple[str, bool]]], first: int, texts: list[list[str | None]]
 ) -> list[list[str | None]]:
-    """The text each unfinished sample of ``texts`` had when the run was cut short (None for
-    a finished one), from ``TllmLLM.unfinished_texts`` (request ids from ``first``)."""
+    """From ``TllmLLM.cut_short`` (request ids from ``first``): each sample of a request cut
+    short that had finished goes into ``texts``; returned, the text each unfinished sample
+    had (None for a finished one)."""
     partial: list[list[str | None]] = [[None] * len(ts) for ts in texts]
-    for rid, samples in so_far.items():
+    for rid, samples in cut.items():
         i = int(rid) - first
-        for j, text in samples.items():
+        for j, (text, finished) in samples.items():
             if 0 <= i < len(texts) and 0 <= j < len(texts[i]) and texts[i][j] is None:
-                partial[i][j] = text
+                (texts[i] if finished else partial[i])[j] = text
     return partial
 
 
@@ -532,7 +533,7 @@ def generate_with(
     if asked:
         report["request_results"] = results
     if interrupted or died is not None:
-        report["partial_outputs"] = _partial(llm.unfinished_texts, first, texts)
+        report["partial_outputs"] = _cut_short(llm.cut_short, first, texts)
     proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
     line = run_line(tokens, seconds, report["consumers"], proofs)
     interrupted = interrupted or died is not None

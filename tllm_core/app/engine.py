@@ -219,9 +219,9 @@ class TllmLLM:
         self._checked = checked  # told if a fault stops the engine (tllm_run_failed)
         self._died: EngineDiedError | None = None  # the error a fault was reported as
         self._failure_told = False
-        # An interrupted or failed generate/chat's unfinished samples: the text each had
-        # (request id -> sample index -> text), read before their abort.
-        self.unfinished_texts: dict[str, dict[int, str]] = {}
+        # The samples of the requests an interrupted or failed generate/chat left unfinished
+        # (request id -> sample index -> (text so far, finished)), read before their abort.
+        self.cut_short: dict[str, dict[int, tuple[str, bool]]] = {}
         note = NoteFile("tllm-start-")  # why the engine refused to start (start_error.py)
         self._fault_note = NoteFile("tllm-fault-")  # a hung callback's report (watchdog.py)
         # Removed with this object (or at exit) when no one calls close or shutdown.
@@ -353,7 +353,7 @@ class TllmLLM:
             sp.extra_args = {"tllm_prompt_index": i, **(sp.extra_args or {}), SAMPLES_KEY: sp.n}
             tagged.append(sp)
             salts.append(request_salt(sp.extra_args, can_change_kv=edits))
-        self.unfinished_texts = {}
+        self.cut_short = {}
         try:
             with self._naming_a_dead_engine():
                 if chat:
@@ -366,7 +366,7 @@ class TllmLLM:
             # keeping the text their samples have so far.
             ids = None
             with contextlib.suppress(Exception):
-                self.unfinished_texts = texts_so_far(self.llm)
+                self.cut_short = texts_so_far(self.llm)
             with contextlib.suppress(Exception):
                 ids = unfinished_ids(self.llm)
                 # First mark them (their records then say "not finished"), then abort.

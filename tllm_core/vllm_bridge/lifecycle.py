@@ -55,15 +55,23 @@ def unfinished_ids(llm: Any) -> list[str]:
     return list(getattr(llm.llm_engine.output_processor, "external_req_ids", {}) or {})
 
 
-def texts_so_far(llm: Any) -> dict[str, dict[int, str]]:
-    """The text each unfinished sample of ``llm`` has so far (what vLLM would stream): the
-    caller's request id -> sample index -> text. Read before an abort, which drops them."""
-    texts: dict[str, dict[int, str]] = {}
-    for state in list(llm.llm_engine.output_processor.request_states.values()):
+def texts_so_far(llm: Any) -> dict[str, dict[int, tuple[str, bool]]]:
+    """Every sample of ``llm``'s unfinished requests: the caller's request id -> sample index
+    -> (its text so far, as vLLM would stream it, or whole when the sample finished; whether
+    it finished). Read before an abort, which drops them."""
+    proc = llm.llm_engine.output_processor
+    texts: dict[str, dict[int, tuple[str, bool]]] = {}
+    # A finished sample of n > 1 waits in its request's aggregator until all have finished.
+    for parent in list(getattr(proc, "parent_requests", {}).values()):
+        for out in parent.output_aggregator:  # offline (FINAL_ONLY): the finished, else None
+            if out is not None:
+                texts.setdefault(str(parent.external_req_id), {})[out.index] = (out.text, True)
+    for state in list(proc.request_states.values()):
         parent = state.parent_req  # a sample of n > 1: its request's id is the parent's
         rid = state.external_req_id if parent is None else parent.external_req_id
-        text = state.detokenizer.get_next_output_text(finished=False, delta=False)
-        texts.setdefault(str(rid), {})[int(state.request_index)] = text
+        det = state.detokenizer  # None without a tokenizer: no text
+        text = "" if det is None else det.get_next_output_text(finished=False, delta=False)
+        texts.setdefault(str(rid), {})[int(state.request_index)] = (text, False)
     return texts
 
 
