@@ -139,6 +139,38 @@ def test_runtime_guide_reads_the_device_no_more(device_reads, monkeypatch, write
     assert snap["rows_guided"] == (step.step if write else 0)
 
 
+@pytest.mark.parametrize("is_random", [[True, True, True], [True, False, True]])
+def test_a_guided_step_sends_its_indices_in_one_copy_and_waits_for_nothing(monkeypatch, is_random):
+    """A writing guide, then the count of rows left without a candidate (over the rows whose
+    draw is kept: greedy ones left out): the step's indices go in its one planned copy."""
+    _stamps_in_flight(monkeypatch)
+    monkeypatch.setattr(Looker, "write", True)
+    reg = Registry()
+    reg.register(_LookerPlugin(), name="looker-plugin")
+    settings = RuntimeSettings.model_validate({"consumers": [{"name": "looker"}]})
+    rt = Runtime(settings, _model(), reg)
+    copies = []
+    with FakeCuda() as fc:
+        for _ in range(3):
+            rows, step = _meta_step(rt, decode=3, device=torch.device("cpu"))
+            with fc.quiet():
+                rows.token_ids = rows.token_ids.to(fc.device)
+                step.tensors = {k: v.to(fc.device) for k, v in step.tensors.items()}
+                step.stamps = {k: v.to(fc.device) for k, v in step.stamps.items()}
+                logits, temps = (
+                    torch.zeros(3, 10, device=fc.device),
+                    torch.ones(3, device=fc.device),
+                )
+            before = rt._buffers.copies
+            with fc.step():
+                rt.begin_step(rows, {})
+                assert rt.guide(step, logits, temps, np.array(is_random), False)
+                rt.end_step(step)
+            copies.append(rt._buffers.copies - before)
+    assert copies == [1, 1, 1]
+    assert not fc.findings(kind="host_wait") and not fc.findings(kind="pageable_copy")
+
+
 def test_index_copies_do_not_wait_for_the_device():
     idx = np.array([2, 0])
     with SyncCounter() as sc:
@@ -213,6 +245,37 @@ def test_guided_counts_summed_on_the_device_are_right_at_collect():
     assert (snap["rows_guided"], snap["candidates_guided"]) == (2 * 2, 2 * 2 * 5), snap
     again = rt.collect()["runtime"]  # drained once: a second collect adds nothing
     assert (again["rows_guided"], again["candidates_guided"]) == (4, 20)
+
+
+class Blanker(Consumer):
+    """Writes -inf over every candidate of every row."""
+
+    name = "blanker"
+
+    def writes(self):
+        return [SamplerGuide()]
+
+    def guide(self, view):
+        rows = torch.arange(len(view.rows))
+        view.update(rows, torch.full_like(view.logits, float("-inf")))
+
+
+def test_only_rows_whose_draw_is_kept_count_as_left_without_candidates():
+    """All three rows emptied: the greedy one (vLLM took its argmax before) and the
+    mid-prefill one (its token is discarded) do not count, the other does, per step."""
+    plugin = type("P", (), {"tllm_consumers": hookimpl(lambda self: [Blanker])})()
+    reg = Registry()
+    reg.register(plugin, name="blanker-plugin")
+    settings = RuntimeSettings.model_validate({"consumers": [{"name": "blanker"}]})
+    rt = Runtime(settings, _model(), reg)
+    for _ in range(2):
+        rows, step = _meta_step(rt, decode=3, device=torch.device("cpu"))
+        rows.mid_prefill = np.array([False, False, True])
+        logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+        rt.begin_step(rows, {})
+        assert rt.guide(step, logits, torch.ones(3), np.array([True, False, True]), False)
+        rt.end_step(step)
+    assert rt.collect()["runtime"]["rows_without_candidates"] == 2
 
 
 def test_guided_counts_made_in_inference_mode_are_drained_outside_it():

@@ -123,7 +123,7 @@ def runtime_warnings(
         ),
         (
             "rows_without_candidates",
-            "{} sampling row(s) left with nothing to draw from by the guides (every logit "
+            "{} sampling row(s) left with nothing to draw from after the guides (every logit "
             "-inf, or a NaN): vLLM drew an arbitrary token for each",
         ),
         ("stale_captures", "{} stale capture(s): those reads were not delivered"),

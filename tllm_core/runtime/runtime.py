@@ -307,12 +307,13 @@ class Runtime:
                 args = (plan, allowed, buffers, c.name, self._buffers, index)
                 self.bus.call(c, "edit (buffers)", _write_plan, *args, requests=acted)
 
-    def _plan(self, step: StepCapture) -> None:
-        """Send every index the step's guide and bundles use to the device, once, in one copy."""
+    def _plan(self, step: StepCapture, guide_rows: list[np.ndarray] = ()) -> None:
+        """Send every index the step's guide (``guide_rows``: more of its own) and bundles use
+        to the device, once, in one copy."""
         if self._planned is step:
             return
         self._planned = step
-        arrays = [step.sample_token_row] if self.guides else []
+        arrays = [step.sample_token_row, *guide_rows] if self.guides else []
         # Per-request guides' rows, as indices into the sampling rows.
         requests = [step.rows.requests[i] for i in step.sample_token_row] if self.guides else []
         for s in self.slots:
@@ -397,8 +398,11 @@ class Runtime:
     ) -> bool:
         """In the sampler, after filtering: guides change candidate logits; True when one wrote."""
         self._guided_step = step.step
-        self._plan(step)
         idx = step.sample_token_row
+        # Rows whose draw is kept: random (greedy ones took vLLM's argmax before), not
+        # mid-prefill (that token is discarded). Their index goes in the step's one copy.
+        drawn = np.flatnonzero(is_random & ~step.rows.mid_prefill[idx])
+        self._plan(step, [drawn] if len(drawn) < len(idx) else [])
         srows = step.rows.take(idx, self._buffers.gather(step.rows.token_ids, idx))
         hidden = {}
         for key, r in self._guide_reads.items():
@@ -433,10 +437,12 @@ class Runtime:
                 if sel is not None:
                     sel.write_back(logits, view, self._buffers)
                 changed = True
-        if changed and is_random.any():  # greedy rows took vLLM's argmax before the guides
+        if changed and len(drawn):  # rows left without a candidate: one pass, on the device
             row_max = self._buffers.pool.take((len(logits),), logits.dtype, logits.device)
             torch.amax(logits, -1, out=row_max)
-            self._guided.add_empty(self._buffers.gather(row_max, np.flatnonzero(is_random)))
+            if len(drawn) < len(idx):
+                row_max = self._buffers.gather(row_max, drawn)
+            self._guided.add_empty(row_max)
         return changed
 
     def _guide_rows(self, step: StepCapture, r: PortRead) -> torch.Tensor:
