@@ -96,6 +96,21 @@ def test_runtime_warnings_name_the_consumer():
     ]
 
 
+def test_errors_read_from_anyones_report_file_say_switched_off_once():
+    from tllm_core.app.summary import error_text
+
+    watchdog = {"consumer": "c", "error": "c hung; switched off, 2 queued bundle(s) dropped"}
+    assert error_text({**watchdog, "disabled": True}) == watchdog["error"]
+    assert (
+        error_text({"error": "x", "disabled": True}) == "x (switched off for the rest of the run)"
+    )
+    assert error_text("not a dict") == "not a dict"
+    r = report(esamp=dict(ESAMP))
+    r["runtime"]["consumers_disabled"] = 1
+    r["errors"] = ["not a dict", {**watchdog, "disabled": True}]
+    assert "1 consumer(s) switched off after repeated failures: 'c'" in summarize(r).warnings
+
+
 class Quiet(Consumer):
     name = "quiet"
     proof_counter = "tokens"

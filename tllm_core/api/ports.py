@@ -134,14 +134,16 @@ class WritePort:
 class PortDeclarationError(TypeError):
     """``reads()`` or ``writes()`` returned something that is no port of that kind."""
 
-    def __init__(self, method: str, port: Any):
+    @classmethod
+    def of(cls, method: str, port: Any) -> PortDeclarationError:
+        """The error for ``port`` returned by ``method`` ("reads" or "writes")."""
         kind, wanted, other = (
             ("read", ReadPort, "write") if method == "reads" else ("write", WritePort, "read")
         )
         hint = ""
         if isinstance(port, WritePort if kind == "read" else ReadPort):
             hint = f"; it is a {other} port: declare it in {other}s()"
-        super().__init__(
+        return cls(
             f"{method}() returned {port!r}, which is not a {kind} port ({wanted.__name__}){hint}"
         )
 

@@ -132,7 +132,7 @@ def _drop_commands(sub: argparse._SubParsersAction, names: set[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     plugins = Plugins.load(on_broken=print_broken)
     parser = build_parser(plugins)
-    args = parser.parse_args(argv)  # --help ends here, without importing torch
+    args = parser.parse_args(argv)  # --help ends here, before the consumers' modules load
     # The consumers collected now: a name clash or a failing hook is named here, once.
     from tllm_core.plugins.registry import Registry  # imports torch
 

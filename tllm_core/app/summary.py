@@ -85,8 +85,9 @@ def error_text(error: Any) -> str:
     """A consumer error of a report as one line (the one that switched it off says so)."""
     if not isinstance(error, dict):  # a report file may be anyone's
         return str(error)
-    off = " (switched off for the rest of the run)" if error.get("disabled") else ""
-    return f"{error.get('error', error)}{off}"
+    text = str(error.get("error", error))
+    said = error.get("disabled") and "switched off" not in text  # the watchdog's says so
+    return text + (" (switched off for the rest of the run)" if said else "")
 
 
 def runtime_warnings(
@@ -95,7 +96,9 @@ def runtime_warnings(
     """Warnings from the runtime's counters (docs/counters.md); ``errors`` (the report's) name
     the consumers switched off."""
     out = []
-    off = sorted({str(e.get("consumer")) for e in errors if e.get("disabled")})
+    off = sorted(
+        {str(e.get("consumer")) for e in errors if isinstance(e, dict) and e.get("disabled")}
+    )
     for name in names:
         for key, what in (
             ("consumer_errors", "callback error(s) (see the errors above)"),

@@ -177,13 +177,13 @@ class Registry:
         def where(c: type) -> str:
             return f"{c.__module__}.{c.__qualname__}"
 
-        if owner == plugin:
-            by = f"plugin {plugin!r}" if plugin else "a run-time plugin"
-            return f"{by} registers two consumers named {cls.name!r}: {where(old)} and {where(cls)}"
-        return (
-            f"consumer name {cls.name!r} is taken by plugin {owner!r} ({where(old)}); "
-            f"{where(cls)} needs another name"
-        )
+        if owner and owner == plugin:
+            return (
+                f"plugin {plugin!r} registers two consumers named {cls.name!r}: {where(old)} "
+                f"and {where(cls)}"
+            )
+        by = f"plugin {owner!r}" if owner else "a consumer registered at run time"
+        return f"consumer name {cls.name!r} is taken by {by} ({where(old)}); {where(cls)} needs another name"
 
     def use(self, cls: type[Consumer]) -> None:
         """Serve consumer ``cls.name`` by ``cls``, replacing one of that name (the test kit)."""

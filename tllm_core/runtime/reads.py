@@ -66,7 +66,7 @@ def plan_reads(
     plan = ReadPlan()
     for p in ports:
         if not isinstance(p, ReadPort):
-            raise PortDeclarationError("reads", p)
+            raise PortDeclarationError.of("reads", p)
         port = p.resolve(resolve_layer)
         table = plan.token if port.rows == "token" else plan.sample
         old = table.get(port.key)

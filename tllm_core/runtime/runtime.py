@@ -165,7 +165,7 @@ def _slot(
         elif isinstance(w, SamplerGuide):
             slot.guides = True
         else:
-            raise PortDeclarationError("writes", w)
+            raise PortDeclarationError.of("writes", w)
     guide_only = [r.port for r in reads.token.values() if r.phase is Phase.GUIDE]
     if guide_only and not slot.guides:
         raise ValueError(
