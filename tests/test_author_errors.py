@@ -365,6 +365,9 @@ def test_tllmllm_raises_when_a_consumer_is_disabled(tiny_model, engines):
     report = llm.close()
     assert [(x["consumer"], x["disabled"]) for x in report["errors"]] == [("crasher", True)]
     assert report["consumers"]["stats"]["bundles"] > 0
+    with pytest.raises(RuntimeError, match="this TllmLLM is closed .*; make a new one"):
+        llm.generate(["f g"], params, use_tqdm=False)  # vLLM's own: "EngineCore encountered..."
+    assert llm.collect() is report  # the final report stays readable
 
 
 @pytest.mark.vllm

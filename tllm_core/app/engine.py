@@ -273,6 +273,7 @@ class TllmLLM:
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         self._watch = EngineWatch(core).start()
         self._closed_report: dict[str, Any] | None = None
+        self._stopped = False  # shutdown() ran
         try:
             self.status = self._installed_status()
         except BaseException:  # a started engine is not left running (nor its device held)
@@ -304,6 +305,7 @@ class TllmLLM:
         """A call on an engine with a dead process raises :class:`EngineDiedError` naming it."""
         try:
             self._watch.check()
+            self._check_open()
             yield
         except Exception as e:
             vllm_says_dead = type(e).__name__ == "EngineDeadError"
@@ -325,7 +327,14 @@ class TllmLLM:
         """``vllm.LLM.chat`` (one conversation or a list of them), tagged like generate."""
         return self._run(messages, sampling_params, chat=True, **kwargs)
 
+    def _check_open(self) -> None:
+        if self._stopped:  # vLLM would say only "EngineCore encountered an issue"
+            raise RuntimeError(
+                "this TllmLLM is closed (close() or shutdown() stopped its engine); make a new one"
+            )
+
     def _run(self, prompts, sampling_params, chat: bool, **kwargs):
+        self._check_open()
         one = isinstance(prompts, (str, dict)) or (
             chat and len(prompts) > 0 and isinstance(prompts[0], dict)
         )
@@ -420,6 +429,7 @@ class TllmLLM:
     def shutdown(self) -> None:
         """Stop the engine processes now (idempotent), not in vLLM's exit handler (which kills
         engines slower than 5 s)."""
+        self._stopped = True
         self._watch.stop()  # processes that end from here on are stopped, not dead
         if self._watch.death is None:
             if self._followers_store is not None:  # before the engine (and its store) stops
