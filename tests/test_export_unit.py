@@ -1179,3 +1179,16 @@ def test_the_reader_expands_home_like_the_writer(tmp_path, monkeypatch):
     assert (tmp_path / "acts" / fmt.MANIFEST).is_file()
     check_records(read_export("~/acts"), engine, ["final"])
     assert len(ExportReader("~/acts")) == 2
+
+
+def test_a_path_that_is_no_directory_is_named_as_such(tmp_path):
+    from consumers.export import read_export
+
+    (tmp_path / "f").write_text("x")
+    for path, said in [
+        (tmp_path / "nope", "does not exist"),
+        (tmp_path / "f", "is a file"),
+        (tmp_path, "holds no manifest.json"),
+    ]:
+        with pytest.raises(ExportFormatError, match=said):
+            list(read_export(path))

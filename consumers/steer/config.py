@@ -192,7 +192,7 @@ class SteerRequest(RequestSettings):
         for name, scale in self.vectors.items():
             if name not in known:
                 raise ValueError(
-                    f"no steering vector named {name[:64]!r}; this server's: "  # names: <= 64
+                    f"no steering vector named {name[:64]!r}; this engine's: "  # names: <= 64
                     f"{', '.join(sorted(known)) or '(none named)'}"
                 )
             if scale is not None and known[name].mode != "add":

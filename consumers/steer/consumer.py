@@ -151,7 +151,7 @@ def check_control(
     layers = sorted(set(config.open_layers) | {v.layer for v in config.vectors if not v.registered})
     if entry.layer not in layers:
         raise ControlError(
-            f"layer {entry.layer} is not open for registered vectors; this server's: "
+            f"layer {entry.layer} is not open for registered vectors; this engine's: "
             f"{', '.join(map(str, layers)) or '(none)'} (steer's open_layers)"
         )
     registered = [v for v in config.vectors if v.registered]
