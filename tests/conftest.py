@@ -82,6 +82,8 @@ def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The test plugin package (tests/plugin_pkg) contributes its consumers only under the suite.
+    os.environ.setdefault("TLLM_TEST_PLUGINS", "1")
     if getattr(config, "workerinput", {}).get("tllm_dist") == "loadgroup":
         config.option.loadgroup = True
     if hasattr(config, "workerinput") and config.option.markexpr == DEFAULT_MARKS:

@@ -659,6 +659,7 @@ def test_one_prefix_cache_salt_for_the_server_and_tllmllm():
     llm.llm, llm.consumers = FakeLLM(), EngineConsumers()
     llm._watch = EngineWatch(None)  # no engine processes to watch
     llm.raise_on_disabled = False  # no consumers to be disabled
+    llm._stopped = False  # open
     for edit_layers, extra, salt in [
         ([3], {"tllm_group": "g"}, request_salt({"tllm_group": "g"})),
         ([3], None, None),

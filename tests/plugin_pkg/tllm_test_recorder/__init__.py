@@ -243,13 +243,22 @@ def hello(args) -> int:
     return 0
 
 
+def active() -> bool:
+    """Whether the test suite runs (tests/conftest.py sets ``TLLM_TEST_PLUGINS=1`` for it and
+    the processes it starts): ``install.sh --test`` installs this package, and a user's
+    ``tllm consumers`` must not list test consumers that misbehave on purpose."""
+    return os.environ.get("TLLM_TEST_PLUGINS") == "1"
+
+
 @hookimpl
 def tllm_consumers():
-    return [Recorder, Crasher, Tally, Hang, Emptier]
+    return [Recorder, Crasher, Tally, Hang, Emptier] if active() else []
 
 
 @hookimpl
 def tllm_commands(subparsers):
+    if not active():
+        return
     p = subparsers.add_parser(
         "recorder-hello", help="test command of the tllm-test-recorder plugin"
     )

@@ -28,6 +28,7 @@ from tllm_core import (
     TapRequest,
     hookimpl,
 )
+from tllm_test_recorder import active
 
 # vLLM's Llama-style layers call ``post_attention_layernorm(h, residual)``, a fused add-norm
 # returning ``(norm(h + residual), h + residual)``: the site's value is the first element.
@@ -133,14 +134,14 @@ class SiteRecorder(Consumer):
 
 @hookimpl
 def tllm_architectures():
-    return [POST_NORM]
+    return [POST_NORM] if active() else []
 
 
 @hookimpl
 def tllm_producers():
-    return [ResidualNormProducer, PostNormProducer]
+    return [ResidualNormProducer, PostNormProducer] if active() else []
 
 
 @hookimpl
 def tllm_consumers():
-    return [NormRecorder, SiteRecorder]
+    return [NormRecorder, SiteRecorder] if active() else []
