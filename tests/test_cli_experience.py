@@ -311,10 +311,10 @@ def test_summary_names_each_consumers_proof_counter_and_export_progress(tmp_path
     assert line == "40 tokens in 2.0 s (20.0 tok/s); esamp rows_guided=7, mine seen=5"
     assert summary(1, 1.0, {"idle": {"x": 0}}, {}).endswith("idle: no work")
 
-    assert written(tmp_path) == "written: 0 rows, 0.0 MB"
+    assert written(tmp_path) == "on disk: 0 shard(s), 0 rows, 0.0 MB"
     shards = [{"file": "a", "rows": 3, "bytes": 2_000_000}, {"file": "b", "rows": 4, "bytes": 0}]
     (tmp_path / "manifest.json").write_text(json.dumps({"shards": shards}))
-    assert written(tmp_path) == "written: 7 rows, 2.0 MB"
+    assert written(tmp_path) == "on disk: 2 shard(s), 7 rows, 2.0 MB"
 
 
 def test_harmless_filter_drops_only_the_listed_messages():

@@ -48,7 +48,8 @@ def written(out: Path) -> str:
         shards = []
     rows = sum(int(s.get("rows", 0)) for s in shards)
     size = sum(int(s.get("bytes", 0)) for s in shards)
-    return f"written: {rows} rows, {size / 1e6:.1f} MB"
+    # A shard is written when full or at the end: none yet is no loss.
+    return f"on disk: {len(shards)} shard(s), {rows} rows, {size / 1e6:.1f} MB"
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
