@@ -11,7 +11,8 @@ requests switching the crasher on, and bad ones. Checks: good requests complete,
 400; the crasher is isolated (3 errors switch it off, later requests complete); ESamp's groups
 are all freed; the engine's memory after warm-up and at the end within 5%; guided and edited
 rows only for the requests that asked. Exit status 1 when a check fails. Needs the test
-package ``tests/plugin_pkg`` installed (``bash install.sh --test``).
+package ``tests/plugin_pkg`` installed (``bash install.sh --test``); it sets
+``TLLM_TEST_PLUGINS=1`` for it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import random
 import sys
 import tempfile
@@ -196,6 +198,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_traffic_args(p, requests=300, concurrency=8)
     a = p.parse_args()
+    # Its crasher is the test package's, which contributes only when this is set.
+    os.environ.setdefault("TLLM_TEST_PLUGINS", "1")
     out = soak(
         model_path(a.model), a.requests, a.concurrency, a.max_tokens, a.seed, a.enforce_eager
     )

@@ -84,9 +84,13 @@ class ExportReader:
         self.path = os.path.expanduser(os.fspath(path))
         mpath = os.path.join(self.path, fmt.MANIFEST)
         if not os.path.isfile(mpath):
-            if not os.path.isdir(self.path):
-                what = "is a file" if os.path.exists(self.path) else "does not exist"
-                raise ExportFormatError(f"{self.path!r} {what}: an export is a directory")
+            if os.path.exists(self.path) and not os.path.isdir(self.path):
+                raise ExportFormatError(f"{self.path!r} is a file: an export is a directory")
+            if not os.path.exists(self.path):
+                raise ExportFormatError(
+                    f"{self.path!r} does not exist: not an export, or its run completed no "
+                    "shard yet (the directory is made with the first)"
+                )
             if parts := [os.path.basename(p) for _, p in export_parts(self.path)]:
                 raise ExportFormatError(
                     f"{self.path!r} holds the parts of a data-parallel export ({', '.join(parts)}), "
