@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import re
 import threading
 import traceback
 from collections import OrderedDict
@@ -19,7 +18,8 @@ import torch
 from tllm_core.api.bundles import Bundle, not_captured
 from tllm_core.api.consumer import Consumer
 from tllm_core.api.counters import Counters
-from tllm_core.api.ports import Delivery
+from tllm_core.api.port_names import parse_port_name
+from tllm_core.api.ports import Delivery, Logits, SampledTokens
 from tllm_core.api.rows import RequestInfo
 from tllm_core.runtime.request_results import ResultStore
 from tllm_core.runtime.settings import RuntimeSettings
@@ -380,15 +380,24 @@ def _words(e: BaseException) -> str:
         return f"{type(e).__name__} (its message could not be read)"
 
 
-# What a port's bundle key looks like: '{prefix}.{layer}', 'final', or a sample port's key.
-_PORT_KEY = re.compile(r"[A-Za-z_]\w*\.-?\d+|final|logits|sampled")
+def _is_port_key(key: object) -> bool:
+    """Whether ``key`` is written as a bundle key: a layer port's name as the port names it
+    (``'layer.2'``, ``'attn.-1'``, ``'final'``) or a built-in sample port's."""
+    if not isinstance(key, str):
+        return False
+    if key in (Logits().key, SampledTokens().key):
+        return True
+    try:
+        return str(parse_port_name(key)) == key
+    except ValueError:
+        return False
 
 
 def _missing_port(e: Exception, args: tuple) -> str:
     """For a ``KeyError`` of a port key that the bundle handed over lacks: which it holds."""
     key = e.args[0] if isinstance(e, KeyError) and e.args else None
     bundle = args[0] if args and isinstance(args[0], Bundle) else None
-    if bundle is None or not isinstance(key, str) or not _PORT_KEY.fullmatch(key):
+    if bundle is None or not _is_port_key(key):
         return ""
     if key in bundle.hidden or key in bundle.per_sample:
         return ""
