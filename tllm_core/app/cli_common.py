@@ -27,7 +27,7 @@ from tllm_core.app.defaults import DEFAULT_DTYPE, KV_ENV, kv_cache_gib
 from tllm_core.app.progress import RunProgress, say
 from tllm_core.app.report_html import check_out_dir, write_report
 from tllm_core.app.stop import exit_code
-from tllm_core.app.summary import count_text, error_text, run_line, summarize
+from tllm_core.app.summary import count_text, error_text, run_line, summarize, text_so_far
 from tllm_core.runtime.model_config import read_model_config
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.errors import vllm_value_errors
@@ -585,13 +585,12 @@ def print_report(
         for warning in summarize(report).warnings:  # stderr: stdout is the one JSON
             say(f"warning: {warning}")
         return
-    partial = report.get("partial_outputs") or [[]] * len(texts)
+    partial = report.get("partial_outputs")
     for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
         for j, t in enumerate(samples):
             if t is None:  # cut short: the text it had, if any
-                so_far = partial[i][j] if j < len(partial[i]) else None
-                print(f"--- sample {j} (not finished)\n{(so_far or '').strip()}")
+                print(f"--- sample {j} (not finished)\n{text_so_far(partial, i, j).strip()}")
             else:
                 print(f"--- sample {j}\n{t.strip()}")
     if counters:

@@ -22,6 +22,7 @@ from tllm_core.app.summary import (
     error_text,
     registry_lookup,
     summarize,
+    text_so_far,
 )
 
 CSS = """
@@ -177,7 +178,7 @@ def write_report(run: dict[str, Any], out_dir: Path) -> Path:
         cards = "".join(
             f'<div class="sample"><div class="label">sample {j}'
             f"{'' if t is not None else ' (not finished)'}</div>"
-            f'<div class="text">{_esc((t if t is not None else _so_far(partial, i, j)).strip())}'
+            f'<div class="text">{_esc((t if t is not None else text_so_far(partial, i, j)).strip())}'
             "</div></div>"
             for j, t in enumerate(samples)
         )
@@ -245,13 +246,3 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "--out", type=Path, metavar="DIR", help="folder (default: RUN-report beside RUN.json)"
     )
     r.set_defaults(func=cmd_report)
-
-
-def _so_far(partial: Any, i: int, j: int) -> str:
-    """Sample ``j`` of prompt ``i`` in a run's ``partial_outputs`` (text it had when cut
-    short), or "" (none, or not a list of lists of texts: the file may be anyone's)."""
-    try:
-        text = partial[i][j]
-    except (TypeError, IndexError, KeyError):
-        return ""
-    return text if isinstance(text, str) else ""

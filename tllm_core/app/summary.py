@@ -90,6 +90,16 @@ def error_text(error: Any) -> str:
     return text + (" (switched off for the rest of the run)" if said else "")
 
 
+def text_so_far(partial: Any, i: int, j: int) -> str:
+    """Sample ``j`` of prompt ``i`` in a run's ``partial_outputs`` (the text it had when cut
+    short), or "" (none, or not a list of lists of texts: a report file may be anyone's)."""
+    try:
+        text = partial[i][j]
+    except (TypeError, IndexError, KeyError):
+        return ""
+    return text if isinstance(text, str) else ""
+
+
 def runtime_warnings(
     runtime: dict[str, Any], names: list[str], errors: list[dict[str, Any]] = ()
 ) -> list[str]:
