@@ -265,6 +265,50 @@ def test_an_interrupted_run_keeps_the_text_its_unfinished_samples_had(
     assert html.escape(result["partial_outputs"][1][1].strip()) in page
 
 
+def test_an_interrupted_run_keeps_a_sample_that_finished_before_its_siblings(
+    tiny_model, monkeypatch, capsys
+):
+    """Sample 0 of n=2 draws eos after 3 tokens (the ``finisher`` test consumer; every sample
+    greedy) while sample 1 goes on: vLLM holds the finished one in its request's aggregator,
+    where an interrupt at the engine's 8th step reads it, whole, as an output; sample 1 is a
+    partial text. Both are checked against transformers' greedy text."""
+    from reference import hf_model
+    from transformers import AutoTokenizer
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from tllm_core.app import cli
+
+    step, calls = LLMEngine.step, []
+
+    def interrupted_step(engine, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:
+            raise KeyboardInterrupt
+        return step(engine, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "step", interrupted_step)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt, after = "Once upon a time", 3
+    finisher = json.dumps({"sample": 0, "after": after, "eos": tok.eos_token_id})
+    argv = ["run", "--model", tiny_model, "--prompt", prompt, "-n", "2", "--max-tokens", "40"]
+    argv += ["--temperature", "1.0", "--seed", "0", "--no-chat", "--json"]
+    argv += ["--consumer", f"finisher:{finisher}", *SMALL_ENGINE]
+    assert cli.main(argv) == 130
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["run"]["interrupted"] is True
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = hf_model(tiny_model).generate(ids, max_new_tokens=12, do_sample=False)
+    greedy = out[0, ids.shape[1] :]
+    assert tok.eos_token_id not in greedy.tolist()  # else sample 1 would finish too
+    full = tok.decode(greedy, skip_special_tokens=True)
+    [[finished, unfinished]] = result["outputs"]
+    assert finished == tok.decode(greedy[:after], skip_special_tokens=True)
+    assert unfinished is None
+    [[none, partial]] = result["partial_outputs"]
+    assert none is None and partial, result["partial_outputs"]
+    assert full.startswith(partial) and len(partial) > len(finished), (partial, full)
+
+
 def test_what_a_cut_short_request_had_is_read_per_sample_finished_or_not():
     """vLLM keeps a finished sample of n > 1 in its request's aggregator until every sample
     has finished (then no request state): it is read with its whole text, as finished; the

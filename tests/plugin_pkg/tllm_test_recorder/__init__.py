@@ -1,6 +1,6 @@
 """A third-party plugin, as a separate package would ship it: consumers (``recorder`` records
 every row it sees; ``tally`` has its own per-request key ``tllm_tally_weight``; ``crasher``,
-``hang`` and ``emptier`` misbehave on purpose) and a ``tllm``
+``hang`` and ``emptier`` misbehave on purpose, ``finisher`` ends one sample early) and a ``tllm``
 subcommand (``tllm recorder-hello``). Nothing under ``tllm_core/`` names any of them."""
 
 from __future__ import annotations
@@ -141,6 +141,40 @@ class Emptier(Consumer):
         view.update_candidates(entries, torch.full((len(entries),), float("-inf")))
 
 
+class Finisher(Consumer):
+    """Greedy for every sample; sample ``sample`` draws ``eos`` once it has ``after`` tokens,
+    so it finishes while its siblings of ``n > 1`` go on (vLLM then holds it in its request's
+    aggregator until they finish)."""
+
+    name = "finisher"
+    description = "Test consumer: greedy samples, one of which ends after a set number of tokens."
+
+    class Config(ConsumerConfig):
+        sample: int = Field(0, ge=0, description="the sample index that ends early")
+        after: int = Field(3, ge=1, description="the tokens it has when it draws eos")
+        eos: int = Field(..., ge=0, description="the model's end-of-sequence token id")
+
+    def writes(self):
+        return [SamplerGuide()]
+
+    def guide(self, view):
+        import torch
+
+        rows = view.rows
+        drawn = view.is_random & ~rows.mid_prefill
+        if not drawn.any():
+            return
+        index = torch.from_numpy(drawn.nonzero()[0])
+        logits = view.logits[index.to(view.logits.device)]
+        keep = logits.argmax(-1)
+        made = rows.position - rows.prompt_lengths() + 1  # tokens the row's sample has
+        ending = (rows.sample_index == self.config.sample) & (made >= self.config.after)
+        keep[torch.from_numpy(ending[drawn]).to(keep.device)] = self.config.eos
+        new = torch.full_like(logits, float("-inf"))
+        new.scatter_(1, keep[:, None], 0.0)
+        view.update(index.to(logits.device), new)
+
+
 class HangConfig(ConsumerConfig):
     callback: str = Field(
         "on_bundle",
@@ -252,7 +286,7 @@ def active() -> bool:
 
 @hookimpl
 def tllm_consumers():
-    return [Recorder, Crasher, Tally, Hang, Emptier] if active() else []
+    return [Recorder, Crasher, Tally, Hang, Emptier, Finisher] if active() else []
 
 
 @hookimpl
