@@ -194,22 +194,17 @@ class EditBuffers:
         self.values = EditValues(torch.device(device), dtype)
         # Per row, the tag (EditValues) of the direction written this step; 0: none.
         self._ablated = np.zeros(max_tokens, np.int64)
-        self._dirty = 0  # rows [0, dirty) may hold non-identity values
+        self.rows_used = 0  # rows [0, rows_used) may hold non-identity values
 
     def add_transform(self, owner: str, module: torch.nn.Module) -> None:
         self.transforms.append((owner, module, torch.zeros_like(self.mask)))
 
-    @property
-    def rows_used(self) -> int:
-        """Rows ``[0, rows_used)`` may hold non-identity values."""
-        return self._dirty
-
     def mark_used(self, rows: int) -> None:
         """Rows ``[0, rows)`` were written from outside (another rank's buffers)."""
-        self._dirty = max(self._dirty, int(rows))
+        self.rows_used = max(self.rows_used, int(rows))
 
     def reset(self) -> None:
-        n = self._dirty
+        n = self.rows_used
         if n:
             self.mask[:n].fill_(False)
             self.keep[:n].fill_(1)
@@ -218,7 +213,7 @@ class EditBuffers:
             for _, _, mask in self.transforms:
                 mask[:n].fill_(False)
             self._ablated[:n] = 0
-            self._dirty = 0
+            self.rows_used = 0
 
     def check(
         self, ops: list[tuple[np.ndarray, str, torch.Tensor]], what: str, index: IndexTo = index_to
@@ -252,7 +247,7 @@ class EditBuffers:
         dev = self.add.device
         for rows, kind, value in ops:
             idx = index(rows, dev)
-            self._dirty = max(self._dirty, int(rows.max()) + 1)
+            self.rows_used = max(self.rows_used, int(rows.max()) + 1)
             if kind == "transform":
                 for name, _, mask in self.transforms:
                     if name == owner:

@@ -183,9 +183,8 @@ def allowed(field: FieldInfo) -> str:
     the form a client writes), bounds and choices (``float >= 0 | None``)."""
     if _marked(field, request_window):
         return f"a capture window (docs/ports.md#capture-windows): {GRAMMAR}; None: the consumer's config"
-    form = (
-        field.json_schema_extra.get("form") if isinstance(field.json_schema_extra, dict) else None
-    )
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    form = extra.get("form")
     text = str(form) if form is not None else type_name(field.annotation)
     for m in field.metadata:
         for attr, op in _BOUNDS.values():
