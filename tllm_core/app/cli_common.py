@@ -67,7 +67,7 @@ def checked_arg(
     finite = ConfigDict(allow_inf_nan=False)  # as the settings: every wait bounded
     number, what = TypeAdapter(info.annotation, config=finite), f"{field} " if named else ""
     if unit != 1:  # the field's bounds in the flag's unit (whole units within them)
-        bounds = (_scaled(m, unit, info.annotation) for m in info.metadata)
+        bounds = (_scaled(m, unit) for m in info.metadata)
         info = FieldInfo.from_annotation(Annotated[(info.annotation, *bounds)])
         what += f"in {({1024: 'KiB', 1024 * 1024: 'MiB'}).get(unit, f'units of {unit}')} "
     check = TypeAdapter(Annotated[(info.annotation, *info.metadata)])
@@ -87,14 +87,13 @@ def checked_arg(
     return parse
 
 
-def _scaled(bound: Any, unit: int, kind: type) -> Any:
-    """Bound ``bound`` (``Ge(1024)``) of a setting in units of ``unit`` (``Ge(1)`` in KiB)."""
+def _scaled(bound: Any, unit: int) -> Any:
+    """Bound ``bound`` (``Ge(1024)``) of a whole-number setting in units of ``unit``
+    (``Ge(1)`` in KiB)."""
     attr = next((a for a in ("ge", "gt", "le", "lt") if getattr(bound, a, None) is not None), "")
     if not attr:
         return bound
     b = getattr(bound, attr)
-    if kind is not int:
-        return Field(**{attr: b / unit})
     # x * unit >= b  <=>  x >= ceil(b / unit), for whole x; x * unit > b  <=>  x > floor(...)
     return Field(**{attr: -(-b // unit) if attr in ("ge", "lt") else b // unit})
 
@@ -451,10 +450,7 @@ def _cut_short(
 
 
 def generate_with(
-    args: argparse.Namespace,
-    consumers: ConsumersArg,
-    extra_engine: dict | None = None,
-    status: Callable[[], str] | None = None,
+    args: argparse.Namespace, consumers: ConsumersArg, status: Callable[[], str] | None = None
 ) -> tuple[list[str], list[list[str | None]], dict[str, Any]]:
     """Start the engine with ``consumers``, generate for the prompts of ``args``, close;
     return (prompts, texts per prompt and sample, report). Ctrl-C makes the report partial
@@ -501,7 +497,6 @@ def generate_with(
         raise_on_disabled=False,
         callback_deadline_s=getattr(args, "callback_deadline", None),
         **engine_kwargs(args),
-        **(extra_engine or {}),
     )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     # A bar on a terminal only: in a file or a pipe its redraws pile up on one line.
@@ -532,12 +527,11 @@ def generate_with(
     texts, results, tokens = _outputs(done, first, len(texts_in), params.n)
     if asked:
         report["request_results"] = results
-    if interrupted or died is not None:
-        report["partial_outputs"] = _cut_short(llm.cut_short, first, texts)
     proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
     line = run_line(tokens, seconds, report["consumers"], proofs)
     interrupted = interrupted or died is not None
     if interrupted:
+        report["partial_outputs"] = _cut_short(llm.cut_short, first, texts)
         finished = sum(t is not None for ts in texts for t in ts)
         cut = "the engine died" if died is not None else "interrupted"
         line = f"{cut} after {finished}/{len(texts_in) * params.n} samples; {line}"

@@ -63,10 +63,7 @@ class StopSignals:
             self.nodes.stop()  # peers that stop answering now are part of this stop
             self.note_children()
             threading.Thread(
-                target=self._watchdog,
-                args=(self.timeout,),
-                daemon=True,
-                name="tllm-stop-watchdog",
+                target=self._watchdog, args=(self.timeout,), daemon=True, name="tllm-stop-watchdog"
             ).start()
         else:
             _say(
@@ -148,7 +145,7 @@ def install() -> StopSignals | None:
             continue
         signals.replaced.setdefault(sig, previous)
         signal.signal(sig, signals.handle)
-    _start_children_deaf(True)
+    multiprocessing.process.BaseProcess.start = _deaf_start  # type: ignore[method-assign]
     return signals
 
 
@@ -171,14 +168,6 @@ def _deaf_start(self: multiprocessing.process.BaseProcess) -> None:
             signal.signal(signal.SIGINT, previous)
 
 
-def _start_children_deaf(on: bool) -> None:
-    start = multiprocessing.process.BaseProcess
-    if on:
-        start.start = _deaf_start  # type: ignore[method-assign]
-    elif start.start is _deaf_start:  # not another's patch made since
-        start.start = _process_start  # type: ignore[method-assign]
-
-
 def uninstall() -> None:
     """Undo :func:`install`: the handlers it replaced again, no :class:`StopSignals`."""
     global _installed
@@ -186,7 +175,9 @@ def uninstall() -> None:
     if signals is None:
         return
     atexit.unregister(signals.forget_dead_children)
-    _start_children_deaf(False)
+    process = multiprocessing.process.BaseProcess
+    if process.start is _deaf_start:  # not another's patch made since
+        process.start = _process_start  # type: ignore[method-assign]
     for sig, previous in signals.replaced.items():
         if signal.getsignal(sig) == signals.handle:
             signal.signal(sig, previous)

@@ -304,14 +304,8 @@ class Bus:
         self.results.put(request, name, made[0])
 
     def deliver_now(self, consumer: Consumer, bundle: Bundle, kind: str = STEP) -> None:
-        if self.call(
-            consumer,
-            "on_bundle",
-            consumer.on_bundle,
-            bundle,
-            requests=bundle_requests(bundle),
-            kind=kind,
-        ):
+        acted = bundle_requests(bundle)
+        if self.call(consumer, "on_bundle", consumer.on_bundle, bundle, requests=acted, kind=kind):
             self.counters.add("bundles_delivered", of=consumer.name)
 
     def abandon(self, name: str, why: str) -> None:
@@ -397,9 +391,7 @@ def _missing_port(e: Exception, args: tuple) -> str:
     """For a ``KeyError`` of a port key that the bundle handed over lacks: which it holds."""
     key = e.args[0] if isinstance(e, KeyError) and e.args else None
     bundle = args[0] if args and isinstance(args[0], Bundle) else None
-    if bundle is None or not _is_port_key(key):
-        return ""
-    if key in bundle.hidden or key in bundle.per_sample:
+    if bundle is None or not _is_port_key(key) or key in bundle.hidden or key in bundle.per_sample:
         return ""
     return f" ({not_captured(key, [*bundle.hidden, *bundle.per_sample])})"
 
