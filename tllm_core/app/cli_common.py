@@ -450,11 +450,15 @@ def _cut_short(
 
 
 def generate_with(
-    args: argparse.Namespace, consumers: ConsumersArg, status: Callable[[], str] | None = None
+    args: argparse.Namespace,
+    consumers: ConsumersArg,
+    extra_engine: dict | None = None,
+    status: Callable[[], str] | None = None,
 ) -> tuple[list[str], list[list[str | None]], dict[str, Any]]:
     """Start the engine with ``consumers``, generate for the prompts of ``args``, close;
     return (prompts, texts per prompt and sample, report). Ctrl-C makes the report partial
-    (``report["run"]["interrupted"]``, unfinished samples None)."""
+    (``report["run"]["interrupted"]``, unfinished samples None); ``extra_engine``: more
+    ``TllmLLM`` keyword arguments than the flags give."""
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.vllm_bridge.engine_watch import EngineDiedError
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
@@ -497,6 +501,7 @@ def generate_with(
         raise_on_disabled=False,
         callback_deadline_s=getattr(args, "callback_deadline", None),
         **engine_kwargs(args),
+        **(extra_engine or {}),
     )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     # A bar on a terminal only: in a file or a pipe its redraws pile up on one line.
