@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import re
 import secrets
+from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -33,6 +35,16 @@ def hide_paths(value: Any) -> Any:
     if isinstance(value, str):
         return _ABS_PATH.sub(HIDDEN, value)
     return value
+
+
+@contextlib.contextmanager
+def bound(var: ContextVar, value: Any) -> Iterator[None]:
+    """``var`` set to ``value`` inside (in this task's context)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
 
 
 # The client of the HTTP request being handled (set by ClientScope, read where vLLM admits the
@@ -62,11 +74,9 @@ class ClientScope:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         key = _authorization(scope["headers"])
-        token = CLIENT.set(hmac.new(self.secret, key, "sha256").hexdigest()[:12] if key else "anon")
-        try:
+        client = hmac.new(self.secret, key, "sha256").hexdigest()[:12] if key else "anon"
+        with bound(CLIENT, client):
             await self.app(scope, receive, send)
-        finally:
-            CLIENT.reset(token)
 
 
 class BearerGuard:

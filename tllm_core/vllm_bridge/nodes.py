@@ -332,7 +332,7 @@ class NodeWatch:
                     time.sleep(interval)
                 if leader_reachable(host, port):
                     misses, seen = 0, True
-                    if on_stop is not None and store is None:
+                    if on_stop is not None:
                         with contextlib.suppress(Exception):  # not a store: probes only
                             store = _store(host, port)
                 elif seen:  # a leader not up yet is waited for (vLLM's own start timeout)

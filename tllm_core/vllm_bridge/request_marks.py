@@ -10,7 +10,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -22,6 +22,7 @@ from tllm_core.api.results import (
     with_missing,
 )
 from tllm_core.runtime.request_results import STORE_RESULTS
+from tllm_core.serving.guard import bound
 from tllm_core.serving.keys import EngineConsumers, result_bounds
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge.errors import EngineCallFailed, EngineNoAnswer
@@ -72,16 +73,6 @@ async def until_server_stops(app: Any, awaitable: Any, what: str, timeout: float
     finally:
         if not task.done():
             task.cancel()
-
-
-@contextlib.contextmanager
-def bound(var: ContextVar, value: Any) -> Iterator[None]:
-    """``var`` set to ``value`` inside (in this task's context)."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
 
 
 def is_stream(start: dict) -> bool:
@@ -316,10 +307,10 @@ def check_bounds(
     max_tokens = int(getattr(params, "max_tokens", None) or 0)
     planned = PlannedRequest(prompt, max_tokens, hidden_size, dict(extra))
     bounds = result_bounds(planned, server)
-    for name, bound in bounds.items():
-        if bound > limit:
+    for name, most in bounds.items():
+        if most > limit:
             return (
-                f"tllm: the {name!r} result of this request could hold up to {bound} bytes "
+                f"tllm: the {name!r} result of this request could hold up to {most} bytes "
                 f"({prompt} prompt tokens, max_tokens {max_tokens}), past this server's limit "
                 f"of {limit} bytes (setting max_result_bytes); ask for fewer rows (a narrower "
                 "window, fewer tokens or layers)"

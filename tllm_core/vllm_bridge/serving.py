@@ -35,6 +35,7 @@ from tllm_core.serving.guard import (
     CLIENT,
     BearerGuard,
     ClientScope,
+    bound,
     hide_paths,
     scoped_group,
     send_json,
@@ -52,7 +53,6 @@ from tllm_core.vllm_bridge.request_marks import (
     FailureMarks,
     ResultReturn,
     ServerStopping,
-    bound,
     check_bounds,
     id_in_use,
     install_abort_marks,
@@ -74,11 +74,10 @@ HEALTH_PATH = "/health"  # vLLM's own route
 
 # Set by XargsCheck in the request's task: assign_request_id need not check vllm_xargs again.
 XARGS_CHECKED: ContextVar[bool] = ContextVar("tllm_xargs_checked", default=False)
-# Routes whose JSON body carries ``vllm_xargs`` at the top level.
-CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-# Routes whose answers carry per-request results (choices), and the one that cannot.
+# Routes whose answers carry per-request results (choices); with /v1/responses, which cannot,
+# the routes whose JSON body carries ``vllm_xargs`` at the top level.
 RESULTS_PATHS = ("/v1/completions", "/v1/chat/completions")
-NO_RESULTS = ("/v1/responses",)
+CHECKED_PATHS = (*RESULTS_PATHS, "/v1/responses")
 NO_RESULTS_ERROR = (
     f"tllm: {RESULTS_KEY} is answered on {' and '.join(RESULTS_PATHS)} only; this route "
     "returns no results"
@@ -103,27 +102,24 @@ def parse_xargs(body: bytes) -> tuple[dict | None, tuple[int, str] | None]:
     return (xargs, None) if isinstance(xargs, dict) else (None, None)
 
 
-def failed_consumers_named(xargs: dict, server: EngineConsumers) -> str | None:
-    """Why a request naming a consumer switched off is refused, or None."""
+def check_xargs(
+    xargs: dict, server: EngineConsumers, results_route: bool, validate: bool = True
+) -> tuple[int, str] | None:
+    """(HTTP status, message) for ``vllm_xargs`` that must not reach vLLM, else None: 400 for
+    bad ``tllm_*`` keys (with ``validate``) or results asked on a route without them, 503 for
+    a failed consumer."""
+    if validate:
+        try:
+            validate_extra_args(xargs, server)
+        except ValueError as e:
+            return 400, f"tllm: {e}"
     if failed := server.failed_named(xargs):
-        return (
+        return 503, (
             f"tllm: consumer {', '.join(map(repr, failed))} failed on this server and is "
             f"switched off until it restarts (see GET {STATUS_PATH}); requests naming it are "
             "refused rather than served without it"
         )
-    return None
-
-
-def check_xargs(xargs: dict, server: EngineConsumers, path: str) -> tuple[int, str] | None:
-    """(HTTP status, message) for ``vllm_xargs`` that must not reach vLLM, else None: 400 for
-    bad ``tllm_*`` keys or results asked on ``path`` that has none, 503 for a failed consumer."""
-    try:
-        validate_extra_args(xargs, server)
-    except ValueError as e:
-        return 400, f"tllm: {e}"
-    if why := failed_consumers_named(xargs, server):
-        return 503, why
-    if RESULTS_KEY in xargs and path.endswith(NO_RESULTS):
+    if RESULTS_KEY in xargs and not results_route:
         return 400, NO_RESULTS_ERROR
     return None
 
@@ -186,7 +182,7 @@ class XargsCheck:
         if scope["path"].endswith(CHECKED_PATHS):
             xargs, error = parse_xargs(body)
         if xargs is not None:
-            error = check_xargs(xargs, self.server, scope["path"])
+            error = check_xargs(xargs, self.server, scope["path"].endswith(RESULTS_PATHS))
         if error is not None:
             status, message = error
             kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
@@ -546,17 +542,12 @@ def install_request_checks(
     def assign_request_id(request: Any) -> None:
         params = getattr(request, "sampling_params", None)
         extra = getattr(params, "extra_args", None)
-        if extra and not XARGS_CHECKED.get():
-            try:
-                validate_extra_args(extra, server)
-            except ValueError as e:
-                raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
-        # Again here: a body XargsCheck cannot read (UTF-16, another route) skipped its 503.
-        if extra and (why := failed_consumers_named(extra, server)):
-            raise VLLMValidationError(why, parameter="vllm_xargs")
+        # XargsCheck's checks again (the keys unless it checked them): a body it cannot read
+        # (UTF-16, another route) skipped them. ASKED: bound on routes with results.
+        results_route, checked = ASKED.get() is not None, XARGS_CHECKED.get()
+        if extra and (error := check_xargs(extra, server, results_route, not checked)):
+            raise VLLMValidationError(error[1], parameter="vllm_xargs")
         if extra and RESULTS_KEY in extra:
-            if ASKED.get() is None:  # a route without results
-                raise VLLMValidationError(NO_RESULTS_ERROR, parameter="vllm_xargs")
             refused, held = REFUSED.get(), HELD.get()
             why = (refused[0] if refused else None) or id_in_use(request)
             if why is None and max_result_bytes is not None:
