@@ -3,10 +3,8 @@ thread; layout: ``docs/export-format.md``; reader: :func:`consumers.export.read_
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -122,16 +120,16 @@ class ExportConsumer(Consumer):
     def __init__(self, config: ExportConfig, context: ConsumerContext):
         super().__init__(config, context)
         self.hidden_size = int(context.model.hidden_size)
+        self.phase = as_selector(config.phase, "export: phase")
         ports: dict[str, TokenPort] = {}  # by key, in the config's order, each once
         for spec in config.layers:
             try:
-                port = context.parse_port(str(spec), Phase.ALL).resolve(context.resolve_layer)
+                port = context.parse_port(str(spec), self.phase).resolve(context.resolve_layer)
             except ValueError as e:
                 raise ValueError(f"export: layers entry {spec!r}: {e}") from None
             ports.setdefault(port.key, port)
         self._ports, self.keys = list(ports.values()), list(ports)
         self.dtype = getattr(torch, config.dtype)
-        self.phase = as_selector(config.phase, "export: phase")
         self._lock = threading.Lock()
         self._returned = RequestRows(context.max_result_bytes, "export")
         self.writer: RecordWriter | None = None
@@ -157,9 +155,7 @@ class ExportConsumer(Consumer):
 
     def reads(self) -> list[ReadPort]:
         # The prompt's token ids come with each request: only the rows to write are captured.
-        ports: list[ReadPort] = [dataclasses.replace(p, phase=self.phase) for p in self._ports]
-        ports.append(SampledTokens(Phase.ALL))
-        return ports
+        return [*self._ports, SampledTokens(Phase.ALL)]
 
     def on_bundle(self, bundle: Bundle) -> None:
         t = time.perf_counter()
@@ -291,19 +287,13 @@ class ExportConsumer(Consumer):
             "phase": self.config.phase,
         }
 
-    def flush(self) -> None:
-        self._write(RecordWriter.flush)
-
     def close(self) -> None:
-        self._write(RecordWriter.close)
-
-    def _write(self, step: Callable[[RecordWriter], Any]) -> None:
         # Unused (e.g. the front end's dry build): write nothing, create nothing.
         with self._lock:
             if self.writer is not None and self.writer.used:
                 before = len(self.writer.shards)
                 try:
-                    step(self.writer)
+                    self.writer.close()
                 finally:  # a failed write still counts what was written
                     self._sync_counters(before)
 

@@ -52,6 +52,15 @@ def part_rank(name: str) -> int | None:
     return None if m is None else int(m.group(1))
 
 
+def export_parts(path: str | os.PathLike) -> list[tuple[int, str]]:
+    """``(rank, folder)`` of the data-parallel parts in ``path`` holding a manifest, by rank."""
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        return []
+    found = [(part_rank(n), os.path.join(root, n)) for n in os.listdir(root)]
+    return sorted((r, p) for r, p in found if r is not None and os.path.isfile(f"{p}/{MANIFEST}"))
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
@@ -103,11 +112,8 @@ def mark_run_failed(out: str, cause: str, since: float) -> list[str]:
     """After a fault stopped the engine: mark each manifest at ``out`` (and its part folders)
     written since ``since`` (``time.time()``) ``complete: false`` with the cause; returns them."""
     root = os.path.abspath(os.path.expanduser(out))
-    if not os.path.isdir(root):
-        return []
-    parts = sorted(n for n in os.listdir(root) if part_rank(n) is not None)
     marked = []
-    for folder in [root, *(os.path.join(root, n) for n in parts)]:
+    for folder in [root, *(p for _, p in export_parts(root))]:
         path = os.path.join(folder, MANIFEST)
         try:
             if os.stat(path).st_mtime < since:

@@ -91,7 +91,7 @@ class ExportReader:
                     f"{self.path!r} does not exist: not an export, or its run completed no "
                     "shard yet (the directory is made with the first)"
                 )
-            if parts := [os.path.basename(p) for _, p in export_parts(self.path)]:
+            if parts := [os.path.basename(p) for _, p in fmt.export_parts(self.path)]:
                 raise ExportFormatError(
                     f"{self.path!r} holds the parts of a data-parallel export ({', '.join(parts)}), "
                     f"not one manifest: read it with read_export() or open_export()"
@@ -252,17 +252,6 @@ class ExportReader:
         return sorted(self, key=lambda x: (x.prompt_index, x.sample_index, x.request_id))
 
 
-def export_parts(path: str | os.PathLike) -> list[tuple[int, str]]:
-    """``(rank, folder)`` of the data-parallel parts in ``path`` holding a manifest, by rank."""
-    root = os.fspath(path)
-    if not os.path.isdir(root):
-        return []
-    found = [(fmt.part_rank(n), os.path.join(root, n)) for n in os.listdir(root)]
-    return sorted(
-        (r, p) for r, p in found if r is not None and os.path.isfile(f"{p}/{fmt.MANIFEST}")
-    )
-
-
 class DataParallelExport:
     """An export written by data-parallel engines, one part folder ``dp{rank}`` each: iterating
     yields each part's records in rank order (``data_parallel_rank`` names the engine)."""
@@ -317,7 +306,7 @@ def open_export(
 ) -> ExportReader | DataParallelExport:
     """The export at ``path``, a data-parallel one's parts merged; ``reader`` reads one part."""
     root = os.path.expanduser(os.fspath(path))
-    if not os.path.isfile(os.path.join(root, fmt.MANIFEST)) and (parts := export_parts(root)):
+    if not os.path.isfile(os.path.join(root, fmt.MANIFEST)) and (parts := fmt.export_parts(root)):
         return DataParallelExport(root, [(r, reader(p, verify=verify)) for r, p in parts])
     return reader(root, verify=verify)
 

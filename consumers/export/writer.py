@@ -248,16 +248,16 @@ class RecordWriter:
         tokens: np.ndarray,
         is_decode: np.ndarray,
         columns: dict[str, torch.Tensor],
-    ) -> int:
-        """Append rows (``columns[key]``: ``[R, width]``); returns the shards this call wrote."""
+    ) -> None:
+        """Append rows (``columns[key]``: ``[R, width]``), writing each shard as it fills."""
         meta = dict(zip(fmt.ROW_TENSORS, (row_request, positions, tokens, is_decode), strict=True))
         total = len(positions)
         with self.lock:
             self.used, self.closed = True, False
             if self.error is not None:
                 self.rows_unwritten += total
-                return 0
-            written = start = 0
+                return
+            start = 0
             while start < total:
                 take = min(total - start, self.shard_rows - self.buffered)
                 self._ensure_capacity(self.buffered + take)
@@ -275,8 +275,6 @@ class RecordWriter:
                     except ExportWriteError:
                         self.rows_unwritten += total - start  # this call's rows not yet buffered
                         raise
-                    written += 1
-            return written
 
     def finished(self, request: Any) -> None:
         with self.lock:
@@ -327,15 +325,15 @@ class RecordWriter:
             os.close(self._lock)  # releases the flock
             self._lock = None
 
-    def write_shard(self) -> dict[str, Any] | None:
+    def write_shard(self) -> None:
         """Write the buffered rows as the next shard and rewrite the manifest."""
         n = self.buffered
         if n == 0:
-            return None
+            return
         if self.error is not None:
             self.rows_unwritten += n
             self.buffered = 0
-            return None
+            return
         index = len(self.shards)
         name = fmt.shard_name(index)
         final = os.path.join(self.path, name)
@@ -355,13 +353,11 @@ class RecordWriter:
             fmt.fsync_dir(self.path)
         except Exception as e:  # noqa: BLE001 - safetensors' own error class carries ENOSPC too
             self._fail(final, e, n)
-        entry = {"file": name, "rows": n, "bytes": size, "sha256": digest}
-        self.shards.append(entry)
+        self.shards.append({"file": name, "rows": n, "bytes": size, "sha256": digest})
         self.rows_written += n
         self.buffered = 0
         self.write_manifest()
         self.seconds_writing += time.perf_counter() - t
-        return entry
 
     def _fail(self, path: str, e: BaseException, rows: int) -> NoReturn:
         """Drop the buffered ``rows``, leave a manifest saying why if one can be written."""
@@ -430,18 +426,11 @@ class RecordWriter:
             **({} if self.error is None else {"error": self.error}),
         }
 
-    def flush(self) -> None:
-        """Write buffered rows as a (possibly short) shard and rewrite the manifest."""
-        with self.lock:
-            if self.used and (not self.buffered or self.write_shard() is None):
-                self.write_manifest()  # (a shard's write rewrote it)
-
-    def close(self) -> int:
-        """Write buffered rows and the final manifest (if ever used); returns the shards written."""
+    def close(self) -> None:
+        """Write buffered rows and the final manifest (if ever used)."""
         with self.lock:
             if not self.used:
-                return 0
-            before = len(self.shards)
+                return
             self.closed = True
             try:
                 if self.buffered:
@@ -453,4 +442,3 @@ class RecordWriter:
                     self._hidden, self._meta, self.capacity = {}, {}, 0
                 self.table.release()
                 self._unlock()
-            return len(self.shards) - before

@@ -66,10 +66,7 @@ class SaeConsumer(Consumer):
         self.site = dataclasses.replace(site, layer=layer)
         self.key = str(self.site)  # bundle key and edit target
         self.phase = as_selector(config.phase, "sae: phase")
-        try:
-            self._read_port = read_port(self.site, self.phase)
-        except ValueError as e:
-            raise ValueError(f"sae: {e}") from None
+        self._read_port = read_port(self.site, self.phase)
         try:
             sae = load_sae(config.path, d_model=int(context.model.hidden_size))
         except ValueError as e:

@@ -60,12 +60,10 @@ class FeatureWriter(RecordWriter):
         is_decode: np.ndarray,
         indices: torch.Tensor,
         values: torch.Tensor,
-    ) -> int:
+    ) -> None:
         with self.lock:
             index = self.note_tokens(requests, positions, tokens)
-            return self.write_rows(
-                index, positions, tokens, is_decode, {INDICES: indices, VALUES: values}
-            )
+            self.write_rows(index, positions, tokens, is_decode, {INDICES: indices, VALUES: values})
 
 
 @dataclass

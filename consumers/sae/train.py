@@ -90,8 +90,6 @@ def _threshold(pos: torch.Tensor, quantile: float, rel_gap: float = 1e-3) -> flo
     if pos.numel() == 0:
         return 0.0
     s = pos.sort().values
-    if s.numel() == 1:
-        return float(s[0]) / 2
     gaps = s[1:] - s[:-1]
     clear = (gaps > rel_gap * s[1:].abs().clamp_min(1e-6)).nonzero().squeeze(1)
     if clear.numel() == 0:
