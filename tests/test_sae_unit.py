@@ -685,19 +685,6 @@ def test_feature_records_say_when_they_are_not_complete(tmp_path):
         list(read_features(tmp_path / "drop"))
 
 
-def test_a_dropped_bundle_makes_the_returned_features_an_error_not_a_hole(tmp_path):
-    """A request asking for sae's result whose rows were dropped (a full background queue)
-    gets an error, not its other rows; a request not hit keeps its rows."""
-    c = make(tmp_path, site=1, top_k=4)
-    hit, kept = req(0, tllm_results="sae"), req(1, tllm_results="sae")
-    x = torch.randn(3, D_IN, generator=torch.Generator().manual_seed(3))
-    c.on_bundle(Bundle(step=0, rows=rows_of([hit, hit, kept], [0, 1, 0]), hidden={"layer.1": x}))
-    c.on_bundle_dropped(1, [hit])
-    c.on_bundle(Bundle(step=2, rows=rows_of([hit], [2]), hidden={"layer.1": x[:1]}))
-    assert "were dropped" in c.request_result(hit)["error"]
-    assert c.request_result(kept)["positions"].tolist() == [0]
-
-
 def test_a_bundle_without_the_site_fails_naming_it(tmp_path):
     """A tap the step did not write leaves its port out of the bundle (see StaleTapError)."""
     c = make(tmp_path, site=1, top_k=4)

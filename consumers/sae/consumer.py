@@ -295,9 +295,6 @@ class SaeConsumer(Consumer):
     def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
         if self.writer is not None:
             self.writer.dropped(requests)  # the bus counts it (bundles_dropped.sae)
-        for r in requests:  # its rows have a hole: no result rather than a wrong one
-            if r.wants_result(self.name):
-                self._returned.lose(r.engine_id)
 
     def close(self) -> None:
         if self.writer is not None:

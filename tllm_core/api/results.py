@@ -158,10 +158,7 @@ class RequestRows:
             return dict(empty)
         columns, size = self._kept.pop(engine_id)
         if columns is _LOST:
-            return {
-                "error": f"{self.what}: rows of this request were dropped (a full queue: "
-                'overflow "drop"); its result would have holes'
-            }
+            return {"error": rows_dropped(self.what)}
         if columns is None:
             return {
                 "error": f"{self.what}: this request's rows hold more than {size} bytes, past "
@@ -173,6 +170,14 @@ class RequestRows:
 
 
 _LOST = object()
+
+
+def rows_dropped(consumer: str) -> str:
+    """The result of a request some of whose rows ``consumer`` never saw (a dropped bundle)."""
+    return (
+        f'{consumer}: rows of this request were dropped (a full queue: overflow "drop"); '
+        "its result would have holes"
+    )
 
 
 def _nbytes(v: Any) -> int:

@@ -20,6 +20,7 @@ from tllm_core.api.consumer import Consumer
 from tllm_core.api.counters import Counters
 from tllm_core.api.port_names import parse_port_name
 from tllm_core.api.ports import Delivery, Logits, SampledTokens
+from tllm_core.api.results import rows_dropped
 from tllm_core.api.rows import RequestInfo
 from tllm_core.runtime.request_results import ResultStore
 from tllm_core.runtime.settings import RuntimeSettings
@@ -60,6 +61,8 @@ class _BackgroundChannel:
         self.shedding = False  # closing: bundles still queued are told as dropped, not run
         self.slots = threading.BoundedSemaphore(bus.settings.queue_size)
         self._pending = 0  # bundles queued, for queue_depth_max
+        # Requests asking for a result whose rows a dropped bundle held (drain thread only).
+        self.holes: set[str] = set()
         self._lock = threading.Lock()
         self.thread = threading.Thread(
             target=self._drain, name=f"tllm-{consumer.name}", daemon=True
@@ -125,6 +128,7 @@ class _BackgroundChannel:
                     self.bus.counters.add("bundles_dropped", of=c.name)
                     item = _Dropped(item.step, list(bundle_requests(item)))
                 if isinstance(item, _Dropped):
+                    self.holes.update(r.engine_id for r in item.requests if r.wants_result(c.name))
                     self.bus.call(
                         c, "on_bundle_dropped", c.on_bundle_dropped, *item, kind=BACKGROUND
                     )
@@ -301,6 +305,10 @@ class Bus:
         if not self.call(c, "request_result", make, requests=acted, kind=kind):
             what = "is switched off" if name in self.disabled else "raised while making this result"
             made.append({"error": f"consumer {name!r} {what} (see the run's errors)"})
+        ch = self._channels.get(name)
+        if ch is not None and request.engine_id in ch.holes:  # made all the same: state freed
+            ch.holes.discard(request.engine_id)
+            made[0] = {"error": rows_dropped(name)}
         self.results.put(request, name, made[0])
 
     def deliver_now(self, consumer: Consumer, bundle: Bundle, kind: str = STEP) -> None:
