@@ -126,11 +126,9 @@ def _arg(func: Any, args: tuple, kwargs: dict, i: int) -> Any:
 
 
 def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    """Bytes ``func`` reads and writes: arguments read (but ``out=``), written ones and new
-    outputs written; views and NO_DATA nothing; gathers and scatters the elements they
-    index; an overload with ``tllm_bytes(*args, **kwargs)`` what that returns."""
-    if not moves_data(func):
-        return 0
+    """Bytes a launch (:func:`moves_data`) reads and writes: arguments read (but ``out=``),
+    written ones and new outputs written; gathers and scatters the elements they index; an
+    overload with ``tllm_bytes(*args, **kwargs)`` what that returns."""
     stated = getattr(func, "tllm_bytes", None)
     if stated is not None:  # an operator that states its own traffic (see docs/fake-cuda.md)
         return int(stated(*args, **kwargs))

@@ -89,7 +89,7 @@ def model_info(hf: Any) -> ModelInfo:
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     plain = getattr(linear, "bias", None) is None and scaling == 1.0 and cap is None
-    norm = _module(hf, "norm", nn.Module, "final norm")
+    norm = site_module(hf, "final", 0)
     w = getattr(norm, "weight", None)
     gain = None
     if isinstance(w, torch.Tensor) and w.dim() == 1:
@@ -248,7 +248,7 @@ def draw(
     guided: torch.Tensor,
     params: list[Sampling],
     gens: list[torch.Generator],
-    rows: list[str] | None = None,
+    rows: list[str],
 ) -> torch.Tensor:
     """Token per row: greedy rows the raw logits' argmax, random ones a draw from the guided
     (``rows``: how an error names each row; the engine draws an arbitrary token instead)."""
@@ -257,7 +257,7 @@ def draw(
         if p.greedy:
             out[i] = raw[i].argmax()
         elif not bool((probs := guided[i].softmax(-1)).isfinite().all()):  # vLLM: token 0
-            row = f"sampling row {i}" + (f" ({rows[i]})" if rows else "")
+            row = f"sampling row {i} ({rows[i]})"
             raise ValueError(f"the guides left {row} nothing to draw (all -inf, NaN or +inf)")
         else:
             out[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
