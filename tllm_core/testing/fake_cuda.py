@@ -128,7 +128,9 @@ def _arg(func: Any, args: tuple, kwargs: dict, i: int) -> Any:
 def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """Bytes a launch (:func:`moves_data`) reads and writes: arguments read (but ``out=``),
     written ones and new outputs written; gathers and scatters the elements they index; an
-    overload with ``tllm_bytes(*args, **kwargs)`` what that returns."""
+    overload with ``tllm_bytes(*args, **kwargs)`` what that returns; another op 0."""
+    if not moves_data(func):  # a public helper: a view or NO_DATA op moves nothing
+        return 0
     stated = getattr(func, "tllm_bytes", None)
     if stated is not None:  # an operator that states its own traffic (see docs/fake-cuda.md)
         return int(stated(*args, **kwargs))
