@@ -243,6 +243,7 @@ def test_v2_start_up_warm_up_requests_reach_no_consumer():
     sampler.sampling_states = SimpleNamespace(temperature=None, min_p=None)
     runner = SimpleNamespace(max_num_tokens=8, vllm_config=None, sampler=sampler)
     runner.execute_model = runner.add_requests = runner.sample = None
+    runner.structured_outputs_worker = None
     runner.prepare_inputs = lambda out: out  # the scheduler output stands for the batch here
     adapter, events = V2RunnerAdapter(runner), Events()
     adapter.install(events, guides=False)

@@ -5,7 +5,9 @@ Triton wheel has no CPU driver. With ``TRITON_INTERPRET=1`` Triton's interpreter
 kernels on CPU tensors, so this file flips that one flag right after the module computes it
 (before ``vllm.triton_utils`` picks real Triton over placeholders), and routes the one kernel
 the interpreter cannot run (top-k/top-p filtering) to vLLM's PyTorch version of it, and runs
-the Gumbel sampling kernel in one block per row (the same result, far fewer programs). Put this folder on
+the Gumbel sampling kernel in one block per row (the same result, far fewer programs), and
+masks structured-output logits with a PyTorch twin of the grammar-bitmask kernel (which the
+interpreter cannot run either). Put this folder on
 ``PYTHONPATH`` (with ``TRITON_INTERPRET=1`` and ``VLLM_USE_V2_MODEL_RUNNER=1``) and every
 Python process, vLLM's spawned engine processes included, gets it. It never ships with tllm.
 """
@@ -52,11 +54,35 @@ def _one_block_gumbel(module):
     module._gumbel_sample_kernel = OneBlock()
 
 
+def _torch_grammar_bitmask(module):
+    # vLLM's grammar-bitmask kernel fails in the interpreter ("mask has unsupported dtype"):
+    # the same masking in PyTorch. Row ``b`` of the packed bitmask (bit 0: forbidden) masks
+    # logits row cu_num_logits[req] + pos, (req, pos) = divmod(logits_indices[b], MASK_STRIDE).
+    import torch
+
+    class Twin:
+        def __getitem__(self, grid):
+            def launch(logits, _stride, indices, cu_num_logits, bitmask, _bstride, vocab, **kw):
+                shifts = torch.arange(32, device=bitmask.device)
+                for b in range(grid[0]):
+                    req, pos = divmod(int(indices[b]), kw["MASK_STRIDE"])
+                    start, end = int(cu_num_logits[req]), int(cu_num_logits[req + 1])
+                    if pos < end - start:
+                        bits = (bitmask[b].to(torch.int64)[:, None] >> shifts) & 1
+                        forbidden = (bits == 0).reshape(-1)[:vocab]
+                        logits[start + pos, :vocab][forbidden] = float("-inf")
+
+            return launch
+
+    module._apply_grammar_bitmask_kernel = Twin()
+
+
 # module -> what to change right after it has run
 _AFTER_EXEC = {
     "vllm.triton_utils.importing": _has_triton,
     "vllm.v1.sample.ops.topk_topp_sampler": _torch_top_k_top_p,
     "vllm.v1.worker.gpu.sample.gumbel": _one_block_gumbel,
+    "vllm.v1.worker.gpu.structured_outputs": _torch_grammar_bitmask,
 }
 
 

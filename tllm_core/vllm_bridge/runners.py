@@ -281,7 +281,13 @@ class V1RunnerAdapter(RunnerAdapterBase):
 
 class V2RunnerAdapter(RunnerAdapterBase):
     generation = "V2"
-    required_attrs = (*COMMON_ATTRS, "add_requests", "prepare_inputs", "sample")
+    required_attrs = (
+        *COMMON_ATTRS,
+        "add_requests",
+        "prepare_inputs",
+        "sample",
+        "structured_outputs_worker",
+    )
     # The sampler exists once the weights are loaded (``install`` checks these then).
     sampler_attrs = (
         "sampler.sample",
@@ -295,6 +301,7 @@ class V2RunnerAdapter(RunnerAdapterBase):
         # engine id -> (extra_args, prompt length, prompt token ids); dropped when finished
         self._admitted: dict[str, tuple[dict[str, Any], int, tuple[int, ...] | None]] = {}
         self._final: torch.Tensor | None = None  # the step's final hidden states
+        self._logits_read = False  # the step's logits were reported (before a grammar's mask)
 
     def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
         return self._admitted.get(engine_id, ({}, 0, None))
@@ -323,7 +330,7 @@ class V2RunnerAdapter(RunnerAdapterBase):
                 return execute(scheduler_output, *a, **kw)
             for rid in self._finished(events, scheduler_output):
                 self._admitted.pop(rid, None)
-            self._final = None
+            self._final, self._logits_read = None, False
             out = execute(scheduler_output, *a, **kw)
             st = r.execute_model_state
             if st is not None and self.live:
@@ -347,10 +354,24 @@ class V2RunnerAdapter(RunnerAdapterBase):
             self._begin(events, lambda: self._layout(batch))
             return batch
 
-        def sampler_sample(logits, *a, **kw):
-            if self.live:
+        def logits_computed(logits: torch.Tensor) -> None:
+            if self.live and not self._logits_read:
+                self._logits_read = True
                 events.forward_done(self._final, logits)
+
+        def sampler_sample(logits, *a, **kw):
+            logits_computed(logits)
             return raw_sample(logits, *a, **kw)
+
+        grammar = r.structured_outputs_worker
+        if grammar is not None:  # masks structured-output rows in place: report them before
+            raw_mask = grammar.apply_grammar_bitmask
+
+            def apply_grammar_bitmask(logits, *a, **kw):
+                logits_computed(logits)
+                return raw_mask(logits, *a, **kw)
+
+            grammar.apply_grammar_bitmask = apply_grammar_bitmask
 
         def runner_sample(*a, **kw):
             out = sample(*a, **kw)
