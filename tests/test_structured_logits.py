@@ -1,7 +1,8 @@
 """The ``Logits`` port of a structured-output request is what the model computed, before
 vLLM masks the tokens its grammar forbids, on both model runners (V1 reads them before
 ``sample_tokens`` masks them; V2 masks them inside ``runner.sample``, where tllm reports them
-first). Checked against transformers; the sampled text still obeys the grammar."""
+first). Checked against transformers; the sampled text still obeys the grammar, guided by
+ESamp too."""
 
 from __future__ import annotations
 
@@ -30,14 +31,18 @@ from tllm_core import TllmLLM
 if __name__ == "__main__":
     model, prompt, choices, engine = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     rec = json.dumps({"layers": [], "logits": True})
-    params = SamplingParams(max_tokens=8, temperature=0.0,
-                            structured_outputs=StructuredOutputsParams(choice=choices))
-    with TllmLLM(model, consumers=[f"recorder:{rec}"], **engine) as llm:
-        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    grammar = StructuredOutputsParams(choice=choices)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=grammar)
+    drawn = SamplingParams(max_tokens=8, n=4, seed=0, structured_outputs=grammar)
+    esamp = json.dumps({"beta": 2.0, "mode": "full_vocab", "mix": "latent"})
+    with TllmLLM(model, consumers=[f"recorder:{rec}", f"esamp:{esamp}"], **engine) as llm:
+        out = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+        guided = llm.generate([prompt], drawn, use_tqdm=False)[0].outputs
         report = llm.collect()
-    print(json.dumps({"text": out.text, "token_ids": list(out.token_ids),
-                      "runner": llm.status["runner"], "recorder": report["consumers"]["recorder"],
-                      "sampled": report["results"]["recorder"]["sampled"]}))
+    sampled = [s for s in report["results"]["recorder"]["sampled"] if s["request_id"] == "0"]
+    print(json.dumps({"text": out.text, "token_ids": list(out.token_ids), "sampled": sampled,
+                      "runner": llm.status["runner"], "guided": [o.text for o in guided],
+                      "rows_guided": report["runtime"]["rows_guided"]}))
 """
 
 
@@ -52,6 +57,8 @@ def test_logits_of_a_structured_output_request_are_the_models(tiny_model, runner
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["runner"].startswith(f"{runner} runner"), got["runner"]
     assert got["text"] in CHOICES  # the grammar was applied to what was sampled
+    # ESamp recomputes the whole vocabulary's logits (latent mix): it writes candidates only
+    assert got["rows_guided"] > 0 and set(got["guided"]) <= set(CHOICES), got["guided"]
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompt_ids = tok(PROMPT).input_ids
     with torch.no_grad():
