@@ -86,11 +86,14 @@ def test_finish_notices_never_wait_on_a_full_queue(overflow):
 def test_a_result_whose_rows_a_dropped_bundle_held_is_an_error_not_a_hole():
     """Overflow "drop": a request asking for a background consumer's result, some of whose
     rows were in a dropped bundle, gets an error (the consumer's request_result still runs, to
-    free what it kept); a request whose rows all arrived gets its result."""
+    free what it kept; its own failure wins); a request whose rows all arrived gets its
+    result."""
     from tllm_core.runtime.request_results import ResultStore
 
     class Returning(Gated):
         def request_result(self, request):
+            if request.request_id == "b":
+                raise RuntimeError("no result for b")
             return {"steps": [s for s in self.got if isinstance(s, int)]}
 
     counters = Counters()
@@ -98,28 +101,30 @@ def test_a_result_whose_rows_a_dropped_bundle_held_is_an_error_not_a_hole():
     bus = Bus(counters, RuntimeSettings(queue_size=1, overflow="drop"), results=results)
     c = Returning()
     asking = {"tllm_results": "gated"}
-    hit, kept = (RequestInfo(f"{r}-abcdefgh", r, 0, 0, 4, dict(asking)) for r in "hk")
+    hit, kept, bad = (RequestInfo(f"{r}-abcdefgh", r, 0, 0, 4, dict(asking)) for r in "hkb")
 
     def rows(*requests):
         n = len(requests)
         return RowInfo(np.arange(n), list(requests), np.arange(n), np.zeros(n, bool),
                        np.zeros(n, bool), torch.arange(n))  # fmt: skip
 
-    bus.publish(c, Bundle(0, rows(hit, kept)))
+    bus.publish(c, Bundle(0, rows(hit, kept, bad)))
     assert c.entered.wait(HANG_S)  # taken by the thread, which waits at the gate
-    bus.publish(c, Bundle(1, rows(hit, kept)))  # fills the one slot
-    bus.publish(c, Bundle(2, rows(hit)))  # dropped: hit's rows have a hole
-    bus.finished(c, hit)
-    bus.finished(c, kept)
+    bus.publish(c, Bundle(1, rows(hit, kept, bad)))  # fills the one slot
+    bus.publish(c, Bundle(2, rows(hit, bad)))  # dropped: hit's and bad's rows have a hole
+    for r in (hit, kept, bad):
+        bus.finished(c, r)
     c.gate.set()
     assert bus.flush(HANG_S)
     bus.close()
-    got = results.take(["h", "k"])
+    got = results.take(["h", "k", "b"])
     assert got["h"][0]["gated"] == {
-        "error": 'gated: rows of this request were dropped (a full queue: overflow "drop"); '
-        "its result would have holes"
+        "error": 'gated: rows of this request were dropped (its queue was full with overflow "drop", '
+        "or it still lagged when the run closed); its result would have holes"
     }
     assert got["k"][0]["gated"] == {"steps": [0, 1]}
+    # A result the consumer failed to make says so, not that rows were dropped.
+    assert "raised while making this result" in got["b"][0]["gated"]["error"]
     assert c.got.count("h-abcdefgh") == 1  # its finish notice still came
     assert counters.get("bundles_dropped.gated") == 1
 

@@ -254,6 +254,58 @@ def test_v2_start_up_warm_up_requests_reach_no_consumer():
     assert events.begun == [["cmpl-1-0-abcdefgh"]] and adapter.live
 
 
+def test_v2_reports_a_steps_logits_once_before_a_grammar_masks_them():
+    """V2 masks a structured-output request's logits in place inside ``runner.sample``: the
+    step's logits are reported from the mask's wrapper, before it, and not again by the
+    sampler; a step without a grammar reports them from the sampler."""
+    from types import SimpleNamespace as NS
+
+    from tllm_core.vllm_bridge.runners import V2RunnerAdapter
+
+    class Events:
+        active = True
+
+        def __init__(self):
+            self.logits = []
+
+        def begin(self, layout):
+            pass
+
+        def finished(self, ids):
+            pass
+
+        def forward_done(self, final, logits):
+            self.logits.append(logits.clone())
+
+    def mask(logits, *args):
+        logits[:, 1:] = float("-inf")
+
+    sampler = NS(sample=lambda logits, *a: None, _sample_random=None)
+    sampler.sampling_states = NS(temperature=None, min_p=None)
+    runner = NS(max_num_tokens=8, vllm_config=None, sampler=sampler, execute_model_state=None)
+    runner.structured_outputs_worker = NS(apply_grammar_bitmask=mask)
+    runner.execute_model = lambda scheduler_output, *a, **kw: None
+    runner.add_requests = runner.sample = None
+    runner.prepare_inputs = lambda out: out  # the scheduler output stands for the batch here
+    adapter, events = V2RunnerAdapter(runner), Events()
+    adapter.install(events, guides=False)
+    batch = NS(
+        req_ids=["r-abcdefgh"], num_reqs=1, num_scheduled_tokens=np.ones(1, np.int64),
+        num_computed_tokens_np=np.zeros(1, np.int64), prefill_len_np=np.ones(1, np.int64),
+        input_ids=torch.zeros(1, dtype=torch.long),
+    )  # fmt: skip
+    for grammar in (True, False, True):
+        runner.execute_model(NS(finished_req_ids=[]))
+        runner.prepare_inputs(batch)
+        logits = torch.arange(3.0)[None].repeat(2, 1)
+        if grammar:
+            runner.structured_outputs_worker.apply_grammar_bitmask(logits, batch, [], None)
+        runner.sampler.sample(logits)
+    assert len(events.logits) == 3
+    for got in events.logits:
+        assert got.tolist() == [[0.0, 1.0, 2.0]] * 2
+
+
 def test_a_sample_of_n_knows_the_request_it_fans_out_of():
     """vLLM runs sample i of a request as ``"{i}_{its id}"``: the runtime keeps that id (the
     server marks the request's response by it when a consumer fails on a sample)."""

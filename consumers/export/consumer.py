@@ -253,6 +253,9 @@ class ExportConsumer(Consumer):
         with self._lock:
             if self.writer is not None:
                 self.writer.dropped(requests)  # the bus counts it (bundles_dropped.export)
+            for r in requests:  # the bus answers with an error: stop copying rows for it
+                if r.wants_result(self.name):
+                    self._returned.lose(r.engine_id)
 
     def request_result(self, request: RequestInfo) -> dict[str, Any]:
         """``positions``, ``token_ids`` and one ``[rows, width]`` array per key of ``request``."""

@@ -175,8 +175,8 @@ _LOST = object()
 def rows_dropped(consumer: str) -> str:
     """The result of a request some of whose rows ``consumer`` never saw (a dropped bundle)."""
     return (
-        f'{consumer}: rows of this request were dropped (a full queue: overflow "drop"); '
-        "its result would have holes"
+        f'{consumer}: rows of this request were dropped (its queue was full with overflow "drop", '
+        "or it still lagged when the run closed); its result would have holes"
     )
 
 

@@ -121,8 +121,8 @@ class ConsumerDisabledError(RuntimeError):
 class ConsumerHungError(EngineDiedError):
     """A consumer callback ran past its deadline (``hung``): the watchdog stopped the engine."""
 
-    def __init__(self, death: Any, hung: Hung) -> None:
-        super().__init__(death)
+    def __init__(self, death: Any, hung: Hung, outputs: Any = None) -> None:
+        super().__init__(death, outputs)
         self.hung = hung
         self.args = (f"{hung.message()}, at {hung.where()}; the engine was stopped",)
 

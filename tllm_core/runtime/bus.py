@@ -123,7 +123,7 @@ class _BackgroundChannel:
                     return
                 c = self.consumer
                 if isinstance(item, RequestInfo):
-                    self.bus.request_done(c, item, BACKGROUND)
+                    self.bus.request_done(c, item, BACKGROUND, self.holes)
                 elif self.shedding and isinstance(item, Bundle):  # a lagging consumer's close
                     self.bus.counters.add("bundles_dropped", of=c.name)
                     item = _Dropped(item.step, list(bundle_requests(item)))
@@ -289,8 +289,12 @@ class Bus:
         else:
             self.request_done(consumer, request, STEP)
 
-    def request_done(self, consumer: Consumer, request: RequestInfo, kind: str) -> None:
-        """``on_request_finished``, then the result if asked (an error when the consumer failed)."""
+    def request_done(
+        self, consumer: Consumer, request: RequestInfo, kind: str, holes: set[str] | None = None
+    ) -> None:
+        """``on_request_finished``, then the result if asked (an error when the consumer failed,
+        or when ``request`` is in ``holes``, its background channel's requests with rows
+        dropped)."""
         c, name, acted = consumer, consumer.name, (request,)
         self.call(
             c, "on_request_finished", c.on_request_finished, request, requests=acted, kind=kind
@@ -302,12 +306,13 @@ class Bus:
         def make() -> None:
             made.append(c.request_result(request))
 
+        lost = holes is not None and request.engine_id in holes
+        if lost:
+            holes.discard(request.engine_id)
         if not self.call(c, "request_result", make, requests=acted, kind=kind):
             what = "is switched off" if name in self.disabled else "raised while making this result"
             made.append({"error": f"consumer {name!r} {what} (see the run's errors)"})
-        ch = self._channels.get(name)
-        if ch is not None and request.engine_id in ch.holes:  # made all the same: state freed
-            ch.holes.discard(request.engine_id)
+        elif lost:  # made all the same, so that the consumer lets go of what it kept
             made[0] = {"error": rows_dropped(name)}
         self.results.put(request, name, made[0])
 
