@@ -68,7 +68,8 @@ class ESampConfig(ConsumerConfig):
         description="Full-vocab mixing: 'logits' = two projections; 'latent' = one projection "
         "of (1+beta)h_L - beta f(h_1). Latent needs a plain linear head (lm_head_weight) and "
         "target 'final', else it falls back to 'logits' (counter latent_fallback_rows). Latent "
-        "recomputes the reference logits from h_L, so logits processors are not applied to them.",
+        "recomputes the reference logits from h_L, so logits processors are not applied to them "
+        "(filters and a structured-output grammar still hold: only candidates are written).",
     )
     ablation: Literal["none", "noise", "frozen", "f_noise"] = Field(
         "none",
