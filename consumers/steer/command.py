@@ -115,16 +115,39 @@ def compute_steering_vector(args: argparse.Namespace) -> tuple[torch.Tensor, dic
     }
 
 
+EXAMPLES = """examples:
+  tllm steer compute --positive calm.txt --negative angry.txt --layer 12 --out calm.safetensors
+  tllm run --consumer 'steer:{"vectors": [{"layer": 12, "path": "calm.safetensors", "scale": 4.0}]}'
+
+Modes (add, ablate, clamp), gates and per-request vectors: docs/consumers/steer.md."""
+
+
 def add_command(subparsers: argparse._SubParsersAction) -> None:
-    s = subparsers.add_parser("steer", help="steering-vector tools")
+    s = subparsers.add_parser(
+        "steer",
+        help="steering-vector tools",
+        description="Make steering vectors for the steer consumer.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ssub = s.add_subparsers(dest="steer_command", required=True, metavar="SUBCOMMAND")
-    sc = ssub.add_parser("compute", help="mean-difference vector from contrastive prompt files")
+    sc = ssub.add_parser(
+        "compute",
+        help="mean-difference vector from contrastive prompt files",
+        description="The residual stream after decoder layer LAYER, averaged over each "
+        "prompt's tokens and then over the prompts, for the positive prompts minus the same for "
+        "the negative ones (one forward per prompt), saved for the steer consumer.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sc.add_argument("--positive", required=True, type=Path, help="file, one prompt per line")
     sc.add_argument("--negative", required=True, type=Path, help="file, one prompt per line")
     sc.add_argument("--layer", required=True, type=int, help="decoder layer index")
     sc.add_argument("--out", required=True, type=Path, help="output .safetensors/.pt/.npy")
     cli_common.add_model_args(sc)  # checked as `tllm run`'s (--kv-cache-gib 0 is refused)
-    sc.add_argument("--enforce-eager", action="store_true")
-    sc.add_argument("--json", action="store_true")
-    sc.add_argument("-v", "--verbose", action="store_true")
+    sc.add_argument("--enforce-eager", action="store_true", help="no compilation (faster start)")
+    sc.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    sc.add_argument(
+        "-v", "--verbose", action="store_true", help="show vLLM's and torch's logs and warnings"
+    )
     sc.set_defaults(func=cmd_steer_compute)
