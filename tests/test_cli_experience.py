@@ -220,6 +220,21 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     assert noise(stderr) == [], stderr[-4000:]
 
 
+def interrupt_at_step(monkeypatch, n: int) -> None:
+    """Ctrl-C in this process at the engine's ``n``-th step (offline ``LLMEngine.step``)."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    step, calls = LLMEngine.step, []
+
+    def interrupted_step(engine, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return step(engine, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "step", interrupted_step)
+
+
 def test_an_interrupted_run_keeps_the_text_its_unfinished_samples_had(
     tiny_model, tmp_path, monkeypatch, capsys
 ):
@@ -230,19 +245,10 @@ def test_an_interrupted_run_keeps_the_text_its_unfinished_samples_had(
     interrupt comes from the engine's 8th step."""
     from reference import hf_model
     from transformers import AutoTokenizer
-    from vllm.v1.engine.llm_engine import LLMEngine
 
     from tllm_core.app import cli
 
-    step, calls = LLMEngine.step, []
-
-    def interrupted_step(engine, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 8:
-            raise KeyboardInterrupt
-        return step(engine, *args, **kwargs)
-
-    monkeypatch.setattr(LLMEngine, "step", interrupted_step)
+    interrupt_at_step(monkeypatch, 8)
     prompts = ["The sea is", "Once upon a time"]
     argv = ["run", "--model", tiny_model, "--prompt", prompts[0], "--prompt", prompts[1]]
     argv += ["-n", "2", "--max-tokens", "40", "--top-k", "1", "--ignore-eos", "--no-chat"]
@@ -274,19 +280,10 @@ def test_an_interrupted_run_keeps_a_sample_that_finished_before_its_siblings(
     partial text. Both are checked against transformers' greedy text."""
     from reference import hf_model
     from transformers import AutoTokenizer
-    from vllm.v1.engine.llm_engine import LLMEngine
 
     from tllm_core.app import cli
 
-    step, calls = LLMEngine.step, []
-
-    def interrupted_step(engine, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 8:
-            raise KeyboardInterrupt
-        return step(engine, *args, **kwargs)
-
-    monkeypatch.setattr(LLMEngine, "step", interrupted_step)
+    interrupt_at_step(monkeypatch, 8)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompt, after = "Once upon a time", 3
     finisher = json.dumps({"sample": 0, "after": after, "eos": tok.eos_token_id})

@@ -123,12 +123,12 @@ Modes (add, ablate, clamp), gates and per-request vectors: docs/consumers/steer.
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
+    shown = dict(epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     s = subparsers.add_parser(
         "steer",
         help="steering-vector tools",
         description="Make steering vectors for the steer consumer.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **shown,
     )
     ssub = s.add_subparsers(dest="steer_command", required=True, metavar="SUBCOMMAND")
     sc = ssub.add_parser(
@@ -137,8 +137,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         description="The residual stream after decoder layer LAYER, averaged over each "
         "prompt's tokens and then over the prompts, for the positive prompts minus the same for "
         "the negative ones (one forward per prompt), saved for the steer consumer.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **shown,
     )
     sc.add_argument("--positive", required=True, type=Path, help="file, one prompt per line")
     sc.add_argument("--negative", required=True, type=Path, help="file, one prompt per line")
