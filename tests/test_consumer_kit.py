@@ -115,6 +115,34 @@ def test_kit_captures_equal_transformers_at_every_position(tiny_model):
             assert sampled[0][0] == len(prompt) - 1  # the prefill's last row samples
 
 
+class Unheard(Force):
+    """Defines guide() (Force's) but forgets to declare SamplerGuide()."""
+
+    name = "unheard"
+
+    def writes(self):
+        return []
+
+
+def test_a_guide_without_its_port_is_named_when_the_kit_is_built(tiny_model):
+    """The runtime never calls a guide() whose SamplerGuide() is not declared: the kit warns
+    the author, once, and not for a consumer that declares it."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kit = ConsumerKit(tiny_model, [Unheard, Force])
+    ours = [w for w in seen if "is never called" in str(w.message)]
+    assert [str(w.message) for w in ours] == [
+        "consumer 'unheard' defines guide() but its writes() declare no SamplerGuide() with "
+        'this config: guide() is never called (docs/ports.md, "Write ports")'
+    ]
+    assert ours[0].filename == __file__  # pointed at the author's line
+    kit.generate(["The sea"], max_tokens=2, temperature=1.0)
+    assert kit.consumer("unheard").views == [] and kit.consumer("force").views
+    kit.close()
+
+
 def test_chunked_prefill_rows_and_guidance(tiny_model):
     """A 9-token budget splits a long prompt: its mid-prefill rows come in bundles (prefill
     phase), never as sampled rows; the GuideView holds them (token discarded); the guide's

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,6 +287,23 @@ class _Request:
         return [*self.info.prompt_token_ids, *self.output]
 
 
+def warn_undeclared(consumer: Consumer, guides: bool, edits: bool) -> None:
+    """Warn an author whose consumer defines ``guide``/``edit`` without declaring its write
+    port: the runtime never calls it (``writes()`` may leave a port out on purpose, so the
+    engine says nothing)."""
+    for method, declared, port in (
+        ("guide", guides, "SamplerGuide()"),
+        ("edit", edits, "an Edit(...) or ResidualEdit(...)"),
+    ):
+        if getattr(type(consumer), method) is not getattr(Consumer, method) and not declared:
+            warnings.warn(
+                f"consumer {consumer.name!r} defines {method}() but its writes() declare no "
+                f"{port} with this config: {method}() is never called (docs/ports.md, "
+                '"Write ports")',
+                stacklevel=3,
+            )
+
+
 class ConsumerKit:
     """Consumers run on a transformers model by tllm's runtime, without vLLM (arguments:
     docs/testing-consumers.md; ``settings``: other ``RuntimeSettings`` fields)."""
@@ -323,6 +341,8 @@ class ConsumerKit:
         )
         with torch.inference_mode(False):  # as the engine builds them (trainable state)
             self.runtime = Runtime(runtime_settings, self.model, self.registry)
+        for slot in self.runtime.slots:
+            warn_undeclared(slot.consumer, guides=slot.guides, edits=bool(slot.edits))
         self._keys = EngineConsumers.of(specs, configs, self.registry)
         self.budget = int(max_num_batched_tokens)
         if self.budget < 1:
